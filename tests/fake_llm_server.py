@@ -1,0 +1,307 @@
+"""A fault-injecting OpenAI-compatible server for tests (aiohttp, 127.0.0.1, a free port).
+
+It serves ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``. In
+``"ok"`` mode it reads the judged caption(s) out of our prompts and answers in the prompt's
+format with :class:`~torchrl_oni.annotators.scripted.ScriptedAnnotator`'s verdict (with token
+logprobs when asked), so a client's labels can be checked against known answers.
+
+Modes (set ``server.mode``, or ``server.fail_next(n, mode)`` for the next ``n`` requests only):
+
+=================  =============================================================
+``ok``             well-formed answers from the scripted rules
+``http500``        HTTP 500
+``http429``        HTTP 429 (rate limited)
+``hang``           sleeps ``hang_s``, then answers like ``ok`` (set ``hang_s`` past the
+                   client's timeout; ``max_in_flight`` records the concurrency seen)
+``malformed_json`` HTTP 200 with a body that is not JSON
+``no_label``       well-formed JSON whose texts hold no label
+``wrong_count``    one choice fewer than prompts
+``bad_index``      the right number of choices, all with ``index`` 0
+=================  =============================================================
+
+``stop()`` then ``start()`` simulates a server that dies mid-run and comes back on the same port.
+The server runs in a background thread with its own event loop, so a client under test can
+use ``asyncio.run`` in the main thread.
+
+Example:
+    >>> import json, urllib.request
+    >>> with FakeLLMServer(models=("m",)) as server:
+    ...     json.load(urllib.request.urlopen(server.url + "/models"))["data"][0]["id"]
+    'm'
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+from typing import List, Optional, Sequence
+
+from aiohttp import web
+
+from torchrl_oni.annotators import prompts as P
+from torchrl_oni.annotators.base import FIRST, SECOND
+from torchrl_oni.annotators.scripted import ScriptedAnnotator
+
+MODES = ("ok", "http500", "http429", "hang", "malformed_json", "no_label", "wrong_count",
+         "bad_index")
+
+# Probabilities the fake model gives to the positive label (graded so scores can be compared).
+P_POSITIVE_IF_PROGRESS = 0.9
+P_POSITIVE_IF_NOT = 0.15
+
+
+class FakeLLMServer:
+    """An OpenAI-compatible test server with switchable faults (see the module docstring).
+
+    Args:
+        mode: the initial mode.
+        models: the model names listed at ``/v1/models`` and accepted in requests.
+        hang_s: how long ``"hang"`` waits before answering.
+        shuffle_choices: return completions choices in reverse order (indices stay right), to
+            check that clients match choices by ``index``.
+        ranking_bias: ``None`` or ``"1"``: always answer that position in ranking prompts (a
+            position-biased model).
+        goal: the goal of the scripted rules that decide the answers.
+    """
+
+    def __init__(
+        self,
+        mode: str = "ok",
+        models: Sequence[str] = ("fake-model",),
+        *,
+        hang_s: float = 3.0,
+        shuffle_choices: bool = False,
+        ranking_bias: Optional[str] = None,
+        goal: str = "default",
+    ) -> None:
+        self.mode = mode
+        self.models = tuple(models)
+        self.hang_s = hang_s
+        self.shuffle_choices = shuffle_choices
+        self.ranking_bias = ranking_bias
+        self.rules = ScriptedAnnotator(goal=goal)
+        self.port = 0
+        self.requests = 0  # completion requests received (any mode)
+        self.received: List[str] = []  # captions read out of prompts answered in "ok" mode
+        self.last_payload: Optional[dict] = None
+        self.in_flight = 0
+        self.max_in_flight = 0  # most completion requests handled at once
+        self._fail_queue: List[str] = []
+        self._lock = threading.Lock()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._runner: Optional[web.AppRunner] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def fail_next(self, n: int, mode: str) -> None:
+        """The next ``n`` completion requests get ``mode``; later ones get ``self.mode``."""
+        assert mode in MODES, mode
+        with self._lock:
+            self._fail_queue.extend([mode] * n)
+
+    def start(self) -> "FakeLLMServer":
+        """Starts serving (on the previous port after a ``stop()``)."""
+        if self.running:
+            return self
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        error: List[BaseException] = []
+
+        def serve() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._start_site())
+            except BaseException as err:  # noqa: BLE001 - handed to the starting thread
+                error.append(err)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=serve, name="fake-llm-server", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        if error:
+            self._thread = None
+            raise error[0]
+        return self
+
+    def stop(self) -> None:
+        """Stops serving: connections are refused until ``start()``."""
+        if not self.running:
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._thread = None
+
+    def __enter__(self) -> "FakeLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    async def _start_site(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.2, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    # ------------------------------------------------------------------ handlers
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]
+        return web.json_response({"object": "list", "data": data})
+
+    def _next_mode(self) -> str:
+        with self._lock:
+            self.requests += 1
+            return self._fail_queue.pop(0) if self._fail_queue else self.mode
+
+    async def _read(self, request: web.Request):
+        mode = self._next_mode()
+        payload = await request.json()
+        if mode == "hang":
+            self.in_flight += 1  # only touched on the server's loop: no lock needed
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                await asyncio.sleep(self.hang_s)
+            finally:
+                self.in_flight -= 1
+        self.last_payload = payload
+        if payload.get("model") not in self.models:
+            return mode, payload, web.json_response(
+                {"error": {"message": f"model {payload.get('model')!r} not found"}}, status=404
+            )
+        if mode == "http500":
+            return mode, payload, web.Response(status=500, text="internal error")
+        if mode == "http429":
+            return mode, payload, web.Response(status=429, text="rate limited")
+        if mode == "malformed_json":
+            return mode, payload, web.Response(
+                status=200, text='{"choices": [{"text": "<label>FOO',
+                content_type="application/json",
+            )
+        return mode, payload, None
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        mode, payload, early = await self._read(request)
+        if early is not None:
+            return early
+        prompts = payload.get("prompt")
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        want = payload.get("logprobs")
+        choices = []
+        for i, prompt in enumerate(prompts):
+            text, positions = self._answer(prompt, mode, payload.get("stop"))
+            choices.append({
+                "index": i,
+                "text": text,
+                "logprobs": self._completion_logprobs(positions, want) if want else None,
+                "finish_reason": "stop",
+            })
+        choices = self._break_choices(choices, mode)
+        if self.shuffle_choices:
+            choices.reverse()
+        return web.json_response(
+            {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
+             "model": payload["model"], "choices": choices}
+        )
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        mode, payload, early = await self._read(request)
+        if early is not None:
+            return early
+        prompt = "\n\n".join(m.get("content", "") for m in payload.get("messages", []))
+        text, positions = self._answer(prompt, mode, payload.get("stop"))
+        logprobs = None
+        if payload.get("logprobs"):
+            logprobs = {"content": [
+                {"token": tok, "logprob": top.get(tok, -0.01),
+                 "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top.items()]}
+                for tok, top in positions
+            ]}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": logprobs, "finish_reason": "stop"}
+        choices = self._break_choices([choice], mode)
+        return web.json_response(
+            {"id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
+             "model": payload["model"], "choices": choices}
+        )
+
+    @staticmethod
+    def _break_choices(choices: list, mode: str) -> list:
+        if mode == "wrong_count":
+            return choices[:-1]
+        if mode == "bad_index":
+            return [dict(c, index=0) for c in choices]
+        return choices
+
+    @staticmethod
+    def _completion_logprobs(positions, k) -> dict:
+        return {
+            "tokens": [tok for tok, _ in positions],
+            "token_logprobs": [top.get(tok, -0.01) for tok, top in positions],
+            "top_logprobs": [dict(list(top.items())[: int(k)]) for _, top in positions],
+            "text_offset": [0] * len(positions),
+        }
+
+    # ------------------------------------------------------------------ the fake model
+    def _answer(self, prompt: str, mode: str, stop) -> tuple:
+        """(text, [(token, {candidate: logprob})]) for one prompt."""
+        if mode == "no_label":
+            text = "This message is about the dungeon."
+            return text, [(text, {text: -0.01})]
+        family = P.prompt_family(prompt)
+        captions = P.extract_captions(prompt)
+        with self._lock:
+            self.received.extend(captions)
+        if family == "ranking" and len(captions) == 2:
+            pref = self.rules.preference(*captions)
+            best = self.ranking_bias or {FIRST: "1", SECOND: "2"}.get(pref, "tie")
+            prefix = ("<knowledge>NetHack rewards depth.</knowledge>\n"
+                      "<analysis>Compared.</analysis>\n<best>")
+            positions = [(prefix, {prefix: -0.01}), (best, {best: -0.05})]
+            return self._cut(prefix + best + "</best>", stop), positions
+        if family in ("tagged", "short") and len(captions) == 1:
+            progress = self.rules.label(captions[0]) == 1.0
+            p = P_POSITIVE_IF_PROGRESS if progress else P_POSITIVE_IF_NOT
+            if family == "short":
+                pos, neg = " " + P.SHORT_POSITIVE, " " + P.SHORT_NEGATIVE
+                tok = pos if progress else neg
+                return tok, [(tok, {pos: math.log(p), neg: math.log(1 - p)})]
+            pos, neg = P.POSITIVE_TOKEN, P.NEGATIVE_TOKEN
+            tok = pos if progress else neg
+            prefix = ("<knowledge>NetHack is won by descending and surviving.</knowledge>\n"
+                      "<analysis>Judged by the rules.</analysis>\n<label>")
+            text = self._cut(prefix + tok + "</label>", stop)
+            top = {pos: math.log(p), neg: math.log(1 - p)}
+            return text, [(prefix, {prefix: -0.01}), (tok, top)]
+        text = "I cannot tell."
+        return text, [(text, {text: -0.01})]
+
+    @staticmethod
+    def _cut(text: str, stop) -> str:
+        # Like vLLM: generation ends at the first stop string, which is not returned.
+        for s in [stop] if isinstance(stop, str) else (stop or []):
+            at = text.find(s)
+            if at >= 0:
+                text = text[:at]
+        return text

@@ -1,0 +1,357 @@
+"""The ONI tasks on NLE 1.3 and the batched TorchRL env: rewards, ends, seeding, keys, specs."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from nle import nethack
+from torchrl.envs import SerialEnv, TransformedEnv, ParallelEnv
+from torchrl.envs.transforms import RewardSum
+from torchrl.envs.utils import check_env_specs
+
+from torchrl_oni.captions import caption_hash, encode_message, message_bytes
+from torchrl_oni.envs import NLEBatchEnv, TASKS, make_task, resolve_task
+from torchrl_oni.envs.tasks import SUCCESS_REWARD, score_reward
+
+SEARCH = 22  # index of 's' in both action sets: never ends a game by itself
+
+
+# ---------------------------------------------------------------------------- task table
+def test_every_task_builds_with_the_right_action_count():
+    for name, spec in TASKS.items():
+        env = make_task(name)
+        assert env.action_space.n == (28 if spec["extended_actions"] else 23), name
+        env.close()
+
+
+def test_aliases_and_unknown_task():
+    assert resolve_task("score") == "NetHackScoreExtendedActions-v1"
+    assert resolve_task("Staircase_Lvl4") == "NetHackStaircaseLvl4ExtendedActions-v1"
+    assert resolve_task("nethackoracle-v1") == "NetHackOracle-v1"
+    with pytest.raises(ValueError, match="unknown task"):
+        resolve_task("minecraft")
+
+
+# ---------------------------------------------------------------------------- rewards
+def _blstats(**values):
+    bl = np.zeros(27, dtype=np.int64)
+    for k, v in values.items():
+        bl[getattr(nethack, "NLE_BL_" + k.upper())] = v
+    return bl
+
+
+def test_score_reward_is_score_delta_with_frozen_clock_penalty():
+    before = _blstats(score=10, time=5)
+    assert score_reward(before, _blstats(score=30, time=6), True) == 20.0
+    assert score_reward(before, _blstats(score=30, time=5), True) == pytest.approx(19.99)
+    assert score_reward(before, _blstats(score=10, time=5), True) == pytest.approx(-0.01)
+    assert score_reward(before, _blstats(score=0, time=7), False) == 0.0  # game over: no delta
+
+
+def _fake_obs(env, blstats, glyphs=None):
+    obs = [None] * len(env._observation_keys)
+    obs[env._blstats_index] = blstats
+    obs[env._glyph_index] = glyphs if glyphs is not None else np.zeros((21, 79), np.int16)
+    return obs
+
+
+@pytest.mark.parametrize("name,level", [("staircase-lvl3", 3), ("staircase-lvl4", 4), ("NetHackStaircase-v1", 2)])
+def test_staircase_success_needs_descend_message_and_level(name, level):
+    env = make_task(name)
+    on_level = _fake_obs(env, _blstats(dlevel=level))
+    below = _fake_obs(env, _blstats(dlevel=level - 1))
+    assert env._success(on_level, b"You descend the stairs.")
+    assert not env._success(below, b"You descend the stairs.")
+    assert not env._success(on_level, b"You fall through a trap door!")  # trapdoors do not count
+    assert env._reward(on_level[env._blstats_index], True, True) == SUCCESS_REWARD
+    assert env._reward(on_level[env._blstats_index], True, False) == 0.0
+    env.close()
+
+
+def test_oracle_success_window_and_sober_variant():
+    env = make_task("oracle")
+    sober = make_task("oracle-sober")
+    glyphs = np.zeros((21, 79), np.int16)
+    glyphs[10, 41] = env._oracle  # diagonal neighbour of (x=40, y=9)
+    near = _blstats(x=40, y=9)
+    far = _blstats(x=10, y=3)
+    assert env._success(_fake_obs(env, near, glyphs), b"")
+    assert not env._success(_fake_obs(env, far, glyphs), b"")
+    hallucinating = _blstats(x=40, y=9, condition=512)
+    assert env._success(_fake_obs(env, hallucinating, glyphs), b"")
+    assert not sober._success(_fake_obs(sober, hallucinating, glyphs), b"")
+    assert sober._success(_fake_obs(sober, near, glyphs), b"")
+    env.close()
+    sober.close()
+
+
+def test_continual_pays_once_and_does_not_end():
+    env = make_task("NetHackStaircaseLvl3Continual-v1")
+    bl = _blstats(dlevel=3)
+    assert env._reward(bl, True, True) == SUCCESS_REWARD
+    assert env._reward(bl, True, True) == 0.0
+    env.close()
+
+
+# ---------------------------------------------------------------------------- step logic
+def test_food_prompt_nw_key_takes_first_item_other_keys_cancel():
+    env = make_task("score")
+    nw = env.actions.index(ord("y"))
+    prompt = b"What do you want to eat? [fg or ?*]"
+    assert env._key_for(nw, prompt) == ord("f")
+    assert env._key_for(SEARCH, prompt) == ord(" ")
+    assert env._key_for(SEARCH, b"You see here a newt corpse.") == ord("s")
+    drink = b"What do you want to drink? [h or ?*]"
+    assert env._key_for(nw, drink) == ord("h")
+    motif = make_task("NetHackScore-v1")
+    assert motif._key_for(nw, drink) == ord("y")  # Motif's step knows only the eat prompt
+    env.close()
+    motif.close()
+
+
+class _ScriptedNetHack:
+    """Plays back canned observations to drive ``_known_steps`` without a real game."""
+
+    def __init__(self, env, frames):
+        self.env, self.frames, self.keys = env, list(frames), []
+
+    def step(self, key):
+        self.keys.append(key)
+        return self.frames.pop(0), False
+
+
+def _frame(env, message, more=False, yn=False, getlin=False):
+    obs = [np.zeros(1)] * len(env._observation_keys)
+    obs = list(obs)
+    obs[env._message_index] = encode_message(message)
+    internal = np.zeros(9, np.int32)
+    internal[1], internal[2], internal[3] = yn, getlin, more
+    obs[env._internal_index] = internal
+    return obs
+
+
+def test_more_prompts_are_dismissed_and_descend_message_is_kept():
+    env = make_task("staircase-lvl3")
+    real = env.nethack
+    try:
+        first = _frame(env, "You descend the stairs.--More--", more=True)
+        after = _frame(env, "You see here a scroll.")
+        env.nethack = _ScriptedNetHack(env, [after])
+        obs, done = env._known_steps(first, False, ord(">"))
+        assert env.nethack.keys == [ord(" ")]
+        assert b"You descend the stairs." in message_bytes(obs[env._message_index])
+        # an ordinary --More-- is dismissed and its text is not kept
+        other = _frame(env, "The newt bites!--More--", more=True)
+        env.nethack = _ScriptedNetHack(env, [_frame(env, "You hit the newt.")])
+        obs, _ = env._known_steps(other, False, ord("h"))
+        assert message_bytes(obs[env._message_index]) == b"You hit the newt."
+    finally:
+        env.nethack = real
+        env.close()
+
+
+def test_yes_no_questions_escaped_unless_the_agent_must_answer():
+    env = make_task("score")
+    real = env.nethack
+    try:
+        question = _frame(env, "Really attack the shopkeeper? [yn] (n)", yn=True)
+        env.nethack = _ScriptedNetHack(env, [])
+        env._known_steps(question, False, ord("h"))
+        assert env.nethack.keys == []  # left for the agent
+        other = _frame(env, "Do you want your possessions identified? [ynq]", yn=True)
+        env.nethack = _ScriptedNetHack(env, [_frame(env, "")])
+        env._known_steps(other, False, ord("h"))
+        assert env.nethack.keys == [27]  # ESC
+        text = _frame(env, "Call it:", getlin=True)
+        env.nethack = _ScriptedNetHack(env, [_frame(env, "")])
+        env._known_steps(text, False, ord("h"))
+        assert env.nethack.keys == [27]
+        enhance = _frame(env, "You feel more confident in your weapon skills.")
+        env.nethack = _ScriptedNetHack(env, [_frame(env, ""), _frame(env, "")])
+        env._known_steps(enhance, False, ord("h"))
+        assert env.nethack.keys == [nethack.Command.ENHANCE, ord("a")]
+        cast = _frame(env, "")
+        env.nethack = _ScriptedNetHack(env, [_frame(env, "In what direction?", yn=True)])
+        env._known_steps(cast, False, nethack.Command.CAST)
+        assert env.nethack.keys == [ord("a")]  # first spell, then the agent picks a direction
+    finally:
+        env.nethack = real
+        env.close()
+
+
+# ---------------------------------------------------------------------------- time limits
+@pytest.mark.parametrize("as_termination", [False, True])
+def test_time_limit_is_truncation_unless_asked(as_termination):
+    env = make_task("score", max_episode_steps=6, timeout_as_termination=as_termination)
+    env.reset(seed=1)
+    for t in range(6):
+        _, _, terminated, truncated, info = env.step(SEARCH)
+        if terminated or truncated:
+            break
+    assert t == 5, "the game ended before the limit"
+    assert (terminated, truncated) == ((True, False) if as_termination else (False, True))
+    assert info["end_status"] == env.StepStatus.ABORTED
+    env.close()
+
+
+# ---------------------------------------------------------------------------- seeding
+def _trajectory(env, actions):
+    obs, _ = env.reset(seed=123)
+    out = [(obs["message"].tobytes(), obs["blstats"].tobytes())]
+    for a in actions:
+        obs, r, term, trunc, _ = env.step(a)
+        out.append((obs["message"].tobytes(), obs["blstats"].tobytes(), r, term, trunc))
+        if term or trunc:
+            obs, _ = env.reset()
+            out.append((obs["message"].tobytes(), obs["blstats"].tobytes()))
+    return out
+
+
+def test_same_seed_same_actions_same_trajectory_across_episodes():
+    actions = np.random.default_rng(0).integers(0, 28, size=400).tolist()
+    a = make_task("score", max_episode_steps=150)
+    b = make_task("score", max_episode_steps=150)
+    ta, tb = _trajectory(a, actions), _trajectory(b, actions)
+    assert ta == tb
+    assert len(ta) > 400  # at least one reset happened inside
+    c = make_task("score", max_episode_steps=150)
+    c.reset(seed=124)
+    first_c = c.last_observation[c._blstats_index].tobytes()
+    assert (ta[0][1] != first_c) or (ta[1] != _trajectory(c, actions)[1])
+    for e in (a, b, c):
+        e.close()
+
+
+def test_batched_env_is_reproducible_with_a_seed():
+    def roll():
+        env = NLEBatchEnv("score", num_envs=3, seed=7, task_kwargs={"max_episode_steps": 40})
+        torch.manual_seed(0)
+        td = env.rollout(90, break_when_any_done=False)
+        env.close()
+        return td
+
+    a, b = roll(), roll()
+    assert torch.equal(a["blstats"], b["blstats"])
+    assert torch.equal(a["message"], b["message"])
+    assert torch.equal(a["next", "reward"], b["next", "reward"])
+    assert not torch.equal(a["blstats"][0], a["blstats"][1])  # games differ from each other
+
+
+# ---------------------------------------------------------------------------- keys
+def test_stored_observations_do_not_alias():
+    env = NLEBatchEnv("score", num_envs=2, seed=0)
+    td = env.reset()
+    stored, snapshots = [], []
+    for _ in range(30):
+        td["action"] = env.action_spec.rand()
+        step_td, td = env.step_and_maybe_reset(td)
+        stored.append(step_td)
+        snapshots.append(step_td.clone())
+    for kept, copy in zip(stored, snapshots):
+        for key in ("message", "blstats", "crop", ("next", "message"), ("next", "blstats")):
+            assert torch.equal(kept[key], copy[key]), key
+    # and the observations really changed over time (otherwise aliasing would go unseen)
+    assert len({bytes(s["blstats"][0].numpy()) for s in stored}) > 5
+    env.close()
+
+
+def test_msg_count_counts_exact_messages_per_episode_including_reset():
+    env = NLEBatchEnv("score", num_envs=2, seed=3, task_kwargs={"max_episode_steps": 25})
+    td = env.rollout(80, break_when_any_done=False)
+    env.close()
+    for i in range(2):
+        counts = {}
+        hashes = td["caption_hash"][i].tolist()
+        got = td["msg_count"][i].tolist()
+        done = td["next", "done"][i].flatten().tolist()
+        for t, h in enumerate(hashes):
+            counts[h] = counts.get(h, 0) + 1
+            assert got[t] == counts[h], (i, t)
+            if done[t]:
+                counts = {}
+        assert max(got) > 1
+
+
+def test_caption_hash_matches_message_and_is_stable_across_processes():
+    env = NLEBatchEnv("score", num_envs=2, seed=0)
+    td = env.rollout(20, break_when_any_done=False)
+    env.close()
+    msgs = td["message"].reshape(-1, 256)
+    hashes = td["caption_hash"].reshape(-1)
+    for m, h in zip(msgs, hashes):
+        assert caption_hash(m.numpy()) == int(h)
+    texts = [b"You kill the newt!", b"", "Ça va".encode("latin-1"), bytes(range(1, 256))]
+    local = [caption_hash(t) for t in texts]
+    code = (
+        "import sys; from torchrl_oni.captions import caption_hash;"
+        "texts=[b'You kill the newt!', b'', 'Ça va'.encode('latin-1'), bytes(range(1,256))];"
+        "print(','.join(str(caption_hash(t)) for t in texts))"
+    )
+    for salt in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={"PYTHONHASHSEED": salt, "PATH": ""})
+        assert [int(x) for x in out.stdout.strip().split(",")] == local
+
+
+def test_episode_statistics_are_final_at_done():
+    env = NLEBatchEnv("score", num_envs=2, seed=1, task_kwargs={"max_episode_steps": 12})
+    from tensordict.nn import TensorDictModule
+
+    search = TensorDictModule(lambda h: torch.full_like(h, SEARCH), in_keys=["caption_hash"], out_keys=["action"])
+    td = env.rollout(30, search, break_when_any_done=False)
+    env.close()
+    done = td["next", "done"].squeeze(-1)
+    assert done.any()
+    ep = td["next", "episode"][done]
+    reward_sums = []
+    for i in range(2):
+        r = td["next", "reward"][i].squeeze(-1)
+        d = done[i]
+        ends = d.nonzero().flatten().tolist()
+        start = 0
+        for e in ends:
+            reward_sums.append(float(r[start : e + 1].sum()))
+            start = e + 1
+    assert torch.allclose(ep["return"], torch.tensor(reward_sums), atol=1e-4)
+    assert (ep["length"] == 12).all()
+    assert (ep["end_status"] == -1).all()  # time-out
+    assert (td["next", "truncated"][done]).all() and not td["next", "terminated"][done].any()
+    assert (ep["dlvl"] >= 1).all() and (ep["xlvl"] >= 1).all()
+
+
+# ---------------------------------------------------------------------------- specs
+def test_check_env_specs_batched_and_transformed():
+    env = NLEBatchEnv("oracle", num_envs=3, seed=0)
+    check_env_specs(env)
+    tenv = TransformedEnv(NLEBatchEnv("score", num_envs=2, seed=0), RewardSum())
+    check_env_specs(tenv)
+    env.close()
+    tenv.close()
+
+
+def _make_gym():
+    from torchrl_oni.envs.gym_pieces import make_gym_env
+
+    return make_gym_env("score", max_episode_steps=20)
+
+
+def test_check_env_specs_gym_pieces_serial_and_parallel():
+    serial = SerialEnv(2, _make_gym)
+    check_env_specs(serial)
+    serial.close()
+    parallel = ParallelEnv(2, _make_gym, mp_start_method="spawn")
+    check_env_specs(parallel)
+    td = parallel.rollout(30, break_when_any_done=False)
+    assert td["msg_count"].min() >= 1
+    # copies, not views: consecutive stored messages of a game differ somewhere
+    assert len({bytes(m.numpy()) for m in td["blstats"][0]}) > 1
+    parallel.close()
+
+
+def test_parallel_env_of_batched_envs():
+    env = ParallelEnv(2, lambda: NLEBatchEnv("score", num_envs=2), mp_start_method="spawn")
+    check_env_specs(env)
+    td = env.rollout(5)
+    assert td.batch_size == torch.Size([2, 2, 5])
+    env.close()

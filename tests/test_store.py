@@ -1,0 +1,366 @@
+"""Tests for torchrl_oni.store.CaptionStore."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from torchrl_oni.annotators.base import FIRST, SECOND, TIE, Provenance
+from torchrl_oni.captions import MESSAGE_LEN, caption_hash, decode_message, encode_messages, hash_messages
+from torchrl_oni import store as store_module
+from torchrl_oni.store import CaptionStore
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.timeout(60)
+
+PROV = Provenance("test", "rules", "v1")
+
+
+def _batch(texts):
+    msgs = encode_messages(texts)
+    return torch.from_numpy(msgs), torch.from_numpy(hash_messages(msgs))
+
+
+def _random_captions(n, seed=0):
+    rng = np.random.default_rng(seed)
+    msgs = np.zeros((n, MESSAGE_LEN), dtype=np.uint8)
+    lengths = rng.integers(8, 60, n)  # long enough to be unique
+    for i, length in enumerate(lengths):
+        msgs[i, :length] = rng.integers(1, 256, length)
+    return msgs, hash_messages(msgs)
+
+
+def test_add_dedups_within_and_across_batches():
+    store = CaptionStore(capacity=16)
+    msgs, hashes = _batch(["a", "b", "a", "c", "b", "a"])
+    new = store.add(msgs, hashes)
+    assert new.tolist() == [True, True, False, True, False, False]
+    assert len(store) == 3
+    assert not store.add(msgs, hashes).any()
+    assert len(store) == 3
+    rows = store.labelled_data()  # nothing labelled yet
+    assert rows.batch_size == torch.Size([0])
+    # times_seen counts every occurrence: "a" 3 + 3, "b" 2 + 2, "c" 1 + 1
+    store.set_labels(hashes[:4], 0.0, PROV)
+    seen = dict(zip(store.labelled_data()["caption_hash"].tolist(), store.labelled_data()["times_seen"].tolist()))
+    assert seen == {int(hashes[0]): 6, int(hashes[1]): 4, int(hashes[3]): 2}
+
+
+def test_add_keeps_batch_shape_and_computes_missing_hashes():
+    store = CaptionStore(capacity=16)
+    msgs, hashes = _batch(["x", "y", "x", "z", "y", "w"])
+    new = store.add(msgs.reshape(2, 3, MESSAGE_LEN), hashes.reshape(2, 3, 1))
+    assert new.shape == (2, 3, 1)
+    assert new.sum() == 4
+    assert not store.add(msgs).any()  # hashes computed from the bytes match
+    with pytest.raises(ValueError, match="messages but"):
+        store.add(msgs, hashes[:2])
+    with pytest.raises(ValueError, match="uint8"):
+        store.add(torch.zeros(3, 10, dtype=torch.uint8))
+
+
+def test_lookup_matches_a_dict_across_index_merges():
+    store = CaptionStore(capacity=8)  # grows several times
+    store._index.merge_at = 300  # exercise both sorted runs and their merge
+    msgs, hashes = _random_captions(2000, seed=1)
+    rng = np.random.default_rng(2)
+    reference = {}
+    for start in range(0, 2000, 128):
+        sl = slice(start, start + 128)
+        store.add(msgs[sl], hashes[sl])
+        chosen = hashes[sl][rng.random(len(hashes[sl])) < 0.5]
+        values = rng.integers(0, 2, len(chosen)).astype(np.float32)
+        store.set_labels(chosen, values, PROV)
+        reference.update(zip(chosen.tolist(), values.tolist()))
+    unknown = rng.integers(-(2**62), 2**62, 500)
+    queries = np.concatenate([rng.choice(hashes, 3596), unknown])
+    rng.shuffle(queries)
+    queries = torch.from_numpy(queries.reshape(64, 64))
+    labels, found = store.lookup(queries, default=-1.0)
+    assert labels.shape == found.shape == (64, 64)
+    assert labels.dtype == torch.float32 and found.dtype == torch.bool
+    for q, lab, f in zip(queries.flatten().tolist(), labels.flatten().tolist(), found.flatten().tolist()):
+        assert f == (q in reference)
+        assert lab == reference.get(q, -1.0)
+    assert len(store) == 2000 and store.capacity >= 2000
+
+
+def test_message_bytes_round_trip(tmp_path):
+    latin = bytes(range(128, 256))  # every non-ASCII byte
+    full = bytes((i % 255) + 1 for i in range(MESSAGE_LEN))  # 256 bytes, no NUL
+    raws = [latin, b"", full, "Vous \xe9tes ici.".encode("latin-1")]
+    msgs = encode_messages(raws)
+    assert msgs[2].all()  # really uses all 256 bytes
+    hashes = hash_messages(msgs)
+    store = CaptionStore(capacity=4)
+    assert store.add(msgs, hashes).all()
+    claimed_hashes, texts = store.claim(10)
+    by_hash = dict(zip(claimed_hashes.tolist(), texts))
+    for raw, h in zip(raws, hashes.tolist()):
+        assert by_hash[h] == raw.decode("latin-1")
+    assert by_hash[caption_hash(b"")] == ""
+    store.set_labels(claimed_hashes, 1.0, PROV)
+    path = store.save(tmp_path / "store.pt")
+    loaded = CaptionStore.load(path)
+    data = loaded.labelled_data()
+    stored = dict(zip(data["caption_hash"].tolist(), data["message"].numpy()))
+    for msg, h in zip(msgs, hashes.tolist()):
+        np.testing.assert_array_equal(stored[h], msg)
+        assert decode_message(stored[h]) == decode_message(msg)
+
+
+def test_claim_order_and_pending():
+    store = CaptionStore(capacity=8)
+    msgs, hashes = _batch(["rare", "common", "mid"])
+    store.add(msgs, hashes)
+    store.add(msgs[1:], hashes[1:])
+    store.add(msgs[1:2], hashes[1:2])  # common: 3, mid: 2, rare: 1
+    got, texts = store.claim(2)
+    assert texts == ["common", "mid"]
+    assert sorted(store.pending().tolist()) == sorted(got.tolist())
+    got2, texts2 = store.claim(5)
+    assert texts2 == ["rare"]
+    assert store.claim(5)[1] == []
+    assert store.release_pending() == 3
+    assert store.pending().numel() == 0
+
+    oldest = CaptionStore(capacity=8, claim_order="oldest")
+    oldest.add(msgs, hashes)
+    oldest.add(msgs[2:], hashes[2:])
+    assert oldest.claim(2)[1] == ["rare", "common"]
+    with pytest.raises(ValueError, match="claim_order"):
+        CaptionStore(claim_order="random")
+
+
+def test_failures_backoff_retry_and_give_up():
+    store = CaptionStore(capacity=8, max_attempts=3, retry_backoff_s=0.0)
+    msgs, hashes = _batch(["flaky"])
+    store.add(msgs, hashes)
+    for attempt in range(1, 3):
+        got, _ = store.claim(1)
+        assert got.tolist() == hashes.tolist()
+        assert not store.mark_failed(got, "http 500").any()
+        assert store.stats()["retrying"] == 1
+    got, _ = store.claim(1)
+    assert store.mark_failed(got, "http 500").all()  # third failure: given up
+    stats = store.stats()
+    assert stats["failed"] == 1 and stats["errors/http 500"] == 3
+    assert store.claim(1)[1] == []
+    assert store.retry_failed() == 1
+    assert store.claim(1)[1] == ["flaky"]
+
+    slow = CaptionStore(capacity=8, retry_backoff_s=3600.0)
+    slow.add(msgs, hashes)
+    slow.mark_failed(slow.claim(1)[0], "timeout")
+    assert slow.claim(1)[1] == []  # still in its backoff
+    slow.set_labels(hashes, 1.0, PROV)
+    slow.mark_failed(hashes, "late")  # a late failure does not erase a label
+    assert slow.lookup(hashes)[1].all()
+
+
+def test_set_labels_scores_provenance_and_validation():
+    store = CaptionStore(capacity=8)
+    msgs, hashes = _batch(["a", "b"])
+    store.add(msgs, hashes)
+    unknown = torch.tensor([12345])
+    known = store.set_labels(torch.cat([hashes, unknown]), [1.0, 0.0, 1.0], PROV, scores=[0.9, 0.2, 0.5])
+    assert known.tolist() == [True, True, False]
+    assert store.scores(hashes).tolist() == pytest.approx([0.9, 0.2])
+    other = Provenance("other")
+    store.set_labels(hashes[:1], 0.0, [other])
+    assert store.lookup(hashes)[0].tolist() == [0.0, 0.0]
+    assert store.provenances == [PROV, other]
+    with pytest.raises(ValueError, match="finite"):
+        store.set_labels(hashes, [float("nan"), 1.0], PROV)
+    with pytest.raises(TypeError, match="Provenance"):
+        store.set_labels(hashes, 1.0, "not a provenance")
+    stats = store.stats()
+    assert stats["labelled"] == 2 and stats["positives"] == 0 and stats["labelled_fraction"] == 1.0
+
+
+def test_stats_coverage():
+    store = CaptionStore(capacity=8)
+    msgs, hashes = _batch(["a", "a", "a", "b"])
+    store.add(msgs, hashes)
+    store.set_labels(hashes[:1], 1.0, PROV)
+    stats = store.stats()
+    assert stats["seen_coverage"] == pytest.approx(0.75)
+    assert stats["labelled_fraction"] == pytest.approx(0.5)
+    assert stats["positives"] == 1
+
+
+def test_pairs():
+    store = CaptionStore(capacity=8, pair_capacity=2)
+    msgs, hashes = _batch(["You kill the newt!", "It's a wall.", "Hello"])
+    store.add(msgs, hashes)
+    slots = store.add_pairs(hashes[[0, 1, 0, 2]], hashes[[1, 2, 1, 0]])
+    assert slots.tolist()[0] == slots.tolist()[2]  # same ordered pair, same slot
+    assert len(set(slots.tolist())) == 3
+    with pytest.raises(ValueError, match="not in the store"):
+        store.add_pairs(torch.tensor([1]), hashes[:1])
+    got, pairs = store.claim_pairs(10)
+    assert pairs[0] == ("You kill the newt!", "It's a wall.")
+    assert len(pairs) == 3 and store.pending_pairs().numel() == 3
+    store.set_preferences(got[:2], [FIRST, TIE], PROV)
+    store.mark_pairs_failed(got[2:], "unparsable")
+    assert store.stats()["pairs_labelled"] == 2
+    sample = store.sample_labelled_pairs(64, generator=np.random.default_rng(0))
+    assert sample.batch_size == torch.Size([64])
+    for a, b, p in zip(sample["caption_hash_a"].tolist(), sample["caption_hash_b"].tolist(), sample["preference"].tolist()):
+        if (a, b) == (int(hashes[0]), int(hashes[1])):
+            assert p == FIRST
+        else:
+            assert (a, b, p) == (int(hashes[1]), int(hashes[2]), TIE)
+    assert decode_message(sample["message_a"][0]) in {"You kill the newt!", "It's a wall."}
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        store.set_preferences(got[:1], [2.0], PROV)
+    assert CaptionStore(capacity=2).sample_labelled_pairs(4).batch_size == torch.Size([0])
+    assert SECOND == 1.0
+
+
+def test_save_load_round_trip(tmp_path):
+    store = CaptionStore(capacity=4, max_attempts=5)
+    msgs, hashes = _random_captions(50, seed=3)
+    store.add(msgs, hashes)
+    store.add(msgs[:10], hashes[:10])
+    store.set_labels(hashes[:20], np.arange(20) % 2, PROV, scores=np.linspace(0, 1, 20))
+    store.mark_failed(hashes[20:22], "unparsable")
+    claimed, _ = store.claim(5)  # pending at save time
+    pslots = store.add_pairs(hashes[:3], hashes[3:6])
+    store.set_preferences(pslots[:1], [SECOND], PROV)
+    store.claim_pairs(1)
+    path = store.save(tmp_path / "sub" / "captions.pt")
+    loaded = CaptionStore.load(path)
+    assert len(loaded) == 50 and loaded.max_attempts == 5
+    labels, found = loaded.lookup(hashes)
+    ref_labels, ref_found = store.lookup(hashes)
+    assert torch.equal(labels, ref_labels) and torch.equal(found, ref_found)
+    assert torch.allclose(loaded.scores(hashes[:20]), store.scores(hashes[:20]))
+    assert loaded.provenances == [PROV]
+    assert loaded.pending().numel() == 0  # pending came back unseen
+    stats = loaded.stats()
+    assert stats["unseen"] == 30 and stats["retrying"] == 2 and stats["errors/unparsable"] == 2
+    assert stats["pairs"] == 3 and stats["pairs_labelled"] == 1 and stats["pairs_pending"] == 0
+    again, _ = loaded.claim(100)
+    assert set(claimed.tolist()) <= set(again.tolist())  # nothing claimed before the save is lost
+    # the loaded store keeps working: adding known captions is not new, new ones are
+    assert not loaded.add(msgs, hashes).any()
+    m2, h2 = _random_captions(5, seed=99)
+    assert loaded.add(m2, h2).all()
+    assert loaded.add_pairs(hashes[:1], hashes[3:4]).tolist() == [pslots[0].item()]
+
+
+def test_memmap_storage_grows_and_loads(tmp_path):
+    store = CaptionStore(capacity=2, storage="memmap", scratch_dir=str(tmp_path / "scratch"))
+    msgs, hashes = _random_captions(40, seed=4)
+    store.add(msgs, hashes)
+    store.set_labels(hashes[::2], 1.0, PROV)
+    assert len(store) == 40 and store.capacity >= 40
+    assert store.lookup(hashes)[1].sum() == 20
+    path = store.save(tmp_path / "m.pt")
+    loaded = CaptionStore.load(path, storage="memmap", scratch_dir=str(tmp_path / "scratch2"))
+    assert torch.equal(loaded.lookup(hashes)[1], store.lookup(hashes)[1])
+    with pytest.raises(ValueError, match="storage"):
+        CaptionStore(storage="disk")
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no CaptionStore"):
+        CaptionStore.load(tmp_path / "missing.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="not a readable CaptionStore"):
+        CaptionStore.load(bad)
+    other = tmp_path / "other.pt"
+    torch.save({"format": "something else"}, other)
+    with pytest.raises(ValueError, match="not a CaptionStore"):
+        CaptionStore.load(other)
+
+
+def _labelled_store(texts, label):
+    store = CaptionStore(capacity=8)
+    msgs, hashes = _batch(texts)
+    store.add(msgs, hashes)
+    store.set_labels(hashes, label, PROV)
+    return store, hashes
+
+
+def test_crash_during_save_keeps_last_good_file(tmp_path, monkeypatch):
+    path = tmp_path / "store.pt"
+    good, hashes = _labelled_store(["old"], 1.0)
+    good.save(path)
+    newer, _ = _labelled_store(["old", "new"], 0.0)
+
+    def crash(snapshot, file):
+        file.write(b"half a file")
+        raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of the write
+
+    monkeypatch.setattr(store_module, "_write_snapshot", crash)
+    with pytest.raises(KeyboardInterrupt):
+        newer.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["store.pt"]  # temp file cleaned up
+    loaded = CaptionStore.load(path)
+    assert len(loaded) == 1 and loaded.lookup(hashes)[0].tolist() == [1.0]
+
+
+def test_hard_crash_during_save_keeps_last_good_file(tmp_path):
+    """A killed process (no cleanup at all) leaves the previous file intact."""
+    path = tmp_path / "store.pt"
+    good, hashes = _labelled_store(["old"], 1.0)
+    good.save(path)
+    script = textwrap.dedent(
+        f"""
+        import os
+        from torchrl_oni import store as m
+        s = m.CaptionStore.load({str(path)!r})
+        def crash(snapshot, file):
+            file.write(b"torn")
+            file.flush()
+            os._exit(17)
+        m._write_snapshot = crash
+        s.save({str(path)!r})
+        """
+    )
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    assert result.returncode == 17, result.stderr.decode()[-2000:]
+    leftovers = [p for p in tmp_path.iterdir() if p.name != "store.pt"]
+    assert len(leftovers) == 1 and leftovers[0].read_bytes() == b"torn"  # the torn temp file
+    loaded = CaptionStore.load(path)
+    assert loaded.lookup(hashes)[0].tolist() == [1.0]
+    loaded.save(path)  # the next save still works beside the leftover
+    assert CaptionStore.load(path).lookup(hashes)[1].all()
+
+
+def test_concurrent_labelling_and_adding():
+    store = CaptionStore(capacity=64)
+    msgs, hashes = _random_captions(3000, seed=5)
+    errors = []
+    done = threading.Event()
+
+    def annotator():
+        try:
+            while not done.is_set() or store.stats()["unseen"]:
+                got, texts = store.claim(50)
+                if len(got):
+                    store.set_labels(got, 1.0, PROV)
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=annotator)
+    thread.start()
+    for start in range(0, 3000, 100):
+        store.add(msgs[start : start + 100], hashes[start : start + 100])
+        store.lookup(hashes[: start + 100])
+    done.set()
+    thread.join(30)
+    assert not errors and not thread.is_alive()
+    labels, found = store.lookup(hashes)
+    assert found.all() and (labels == 1.0).all()
+    assert store.stats()["labelled"] == len(store) == 3000

@@ -1,0 +1,117 @@
+"""PPO training end to end: a short run, checkpoint → resume, the CLI's error handling."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchrl_oni.train import TrainConfig, Trainer
+from torchrl_oni.train.checkpoint import load_checkpoint, save_checkpoint
+from torchrl_oni.train.logging import read_metrics
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(frames=1024, workers=1, envs_per_worker=4, rollout=32, logdir=str(tmp_path / "run"),
+                progress=False, tensorboard=False, checkpoint_every=512, minibatch_size=64)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_short_run_then_resume_continues_where_it_stopped(tmp_path):
+    cfg = _cfg(tmp_path)
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.actor.state_dict().items()}
+    summary = trainer.train()
+    assert summary["frames"] >= 1024
+    changed = any(not torch.equal(before[k], v) for k, v in trainer.actor.state_dict().items())
+    assert changed, "PPO did not update the policy"
+    rows = read_metrics(cfg.logdir)
+    assert len(rows) >= 8 and rows[-1]["frames"] >= 1024
+    assert all(k in rows[-1] for k in ("fps", "train/loss_objective", "collect_fraction"))
+    state = load_checkpoint(cfg.logdir)
+    assert state["frames"] == trainer.frames and state["iterations"] == trainer.iterations
+
+    cfg2 = _cfg(tmp_path, frames=2048, resume="auto")
+    resumed = Trainer(cfg2)
+    assert resumed.frames == trainer.frames
+    for k, v in trainer.actor.state_dict().items():
+        assert torch.equal(resumed.actor.state_dict()[k], v)
+    summary2 = resumed.train()
+    assert summary2["frames"] >= 2048
+    assert resumed.iterations > trainer.iterations
+    rows2 = read_metrics(cfg.logdir)
+    assert len(rows2) > len(rows)
+    assert [r["frames"] for r in rows2] == sorted(r["frames"] for r in rows2)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = str(tmp_path / "checkpoint.pt")
+    save_checkpoint({"frames": 1}, path)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        save_checkpoint({"frames": 2}, path)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["frames"] == 1
+    assert os.listdir(tmp_path) == ["checkpoint.pt"]  # no temp file left behind
+
+
+def test_shaped_reward_uses_coefficients_and_clip(tmp_path):
+    from tensordict import TensorDict
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = _cfg(tmp_path, extrinsic_coeff=0.1, intrinsic_coeff=0.5, intrinsic_reward="retrieval", extrinsic_clip=10.0)
+    batch = TensorDict({("next", "reward"): torch.tensor([[50.0], [-1.0]]),
+                        ("next", "intrinsic_reward"): torch.tensor([[1.0], [0.0]])}, batch_size=[2])
+    trainer.shape_reward(batch)
+    assert torch.allclose(batch["next", "reward"], torch.tensor([[0.1 * 10 + 0.5], [-0.1]]))
+    assert torch.equal(batch["next", "extrinsic_reward"], torch.tensor([[50.0], [-1.0]]))
+
+
+@pytest.mark.slow
+def test_recurrent_oni_policy_trains(tmp_path):
+    cfg = _cfg(tmp_path, arch="oni", frames=512, rollout=16, minibatch_size=64, lr=1e-4)
+    summary = Trainer(cfg).train()
+    assert summary["frames"] >= 512
+    assert "train/loss_objective" in summary
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "torchrl_oni.train", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--task", "minecraft"], "unknown task"),
+        (["--workers", "0"], "--workers"),
+        (["--frames", "lots"], "frames"),
+        (["--frames", "100"], "smaller than one batch"),
+        (["--intrinsic-reward", "vibes"], "invalid choice"),
+        (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "device"),
+        (["--resume", "--logdir", "/nonexistent/run"], "no checkpoint"),
+        (["--no-such-flag"], "unrecognized"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(args, needle):
+    out = _cli(*args)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert needle in lines[0]
+
+
+def test_cli_short_run_prints_summary_and_json(tmp_path):
+    out = _cli("--frames", "512", "--workers", "1", "--envs-per-worker", "4", "--rollout", "32",
+               "--logdir", str(tmp_path / "cli"), "--no-progress", "--minibatch-size", "64", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["frames"] >= 512
+    assert os.path.exists(tmp_path / "cli" / "metrics.csv")
+    assert os.path.isdir(tmp_path / "cli" / "tensorboard")

@@ -1,0 +1,636 @@
+"""Asynchronous LLM annotation of captions: a TorchRL transform and its background worker.
+
+:class:`LLMAnnotationTransform` watches the captions that flow through it (a collector batch,
+a replay-buffer sample, or a :class:`~torchrl.envs.TransformedEnv` step), records new ones in a
+:class:`~torchrl_oni.store.CaptionStore`, and wakes an :class:`AnnotationWorker`. The worker is
+a thread running its own asyncio loop: it claims captions from the store in batches, awaits
+``annotator.annotate(texts)`` with bounded concurrency, and writes labels or failures back.
+The caller never waits for the LLM: a transform call costs one vectorised ``add`` and one
+``lookup`` on the store.
+
+Where to put the transform: :class:`~torchrl.collectors.MultiAsyncCollector` deep-copies its
+``postproc`` into its workers, where a background thread and a shared store make no sense.
+Apply the transform in the trainer to each collected batch (``batch = annotate(batch)``), or
+inside a single-process ``TransformedEnv``. Copying or pickling the transform raises an error
+that says so.
+
+Example:
+    >>> import asyncio
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl_oni.annotators.base import Label, Provenance
+    >>> from torchrl_oni.annotation import LLMAnnotationTransform
+    >>> from torchrl_oni.captions import encode_messages, hash_messages
+    >>> from torchrl_oni.store import CaptionStore
+    >>> class KillIsProgress:
+    ...     provenance = Provenance("doc", "rules")
+    ...     async def annotate(self, captions):
+    ...         return [Label(float("kill" in c), self.provenance) for c in captions]
+    ...     async def compare(self, pairs):
+    ...         return []
+    ...     async def aclose(self):
+    ...         pass
+    >>> msgs = torch.from_numpy(encode_messages(["You kill the newt!", "It's a wall."]))
+    >>> batch = TensorDict(message=msgs, caption_hash=torch.from_numpy(hash_messages(msgs)), batch_size=[2])
+    >>> store = CaptionStore(capacity=16)
+    >>> with LLMAnnotationTransform(store, KillIsProgress()) as annotate:
+    ...     batch = annotate(batch)  # returns at once; labels arrive in the background
+    ...     annotate.wait_idle(timeout=10)
+    True
+    >>> store.lookup(batch["caption_hash"])[0].tolist()
+    [1.0, 0.0]
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+from torchrl.data import Categorical, Composite
+from torchrl.envs.transforms import Transform
+
+from torchrl_oni.annotators.base import Annotator
+from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, hash_messages
+from torchrl_oni.store import CaptionStore
+
+__all__ = ["AnnotationWorker", "LLMAnnotationTransform"]
+
+logger = logging.getLogger(__name__)
+
+_COPY_ERROR = (
+    "{cls} cannot be copied or pickled: it owns a background thread and shares a CaptionStore. "
+    "Apply it in the trainer to each collected batch (not as a collector postproc or inside a "
+    "ParallelEnv worker)."
+)
+
+
+def _is_parse_failure(kind: str) -> bool:
+    return "pars" in kind.lower()
+
+
+class AnnotationWorker:
+    """A thread with its own asyncio loop that labels the store's unseen captions.
+
+    Each round it claims up to ``batch_size`` captions (and, when ``pairs`` is True, pairs),
+    keeps at most ``max_concurrency`` ``annotate``/``compare`` calls in flight, and writes the
+    results back: ``set_labels`` for good labels, ``mark_failed(kind)`` for failures (the store
+    retries them after a backoff). It sleeps until :meth:`wake` or ``poll_interval_s``.
+
+    Args:
+        store (CaptionStore): where captions come from and labels go.
+        annotator (Annotator): see :mod:`torchrl_oni.annotators.base`.
+        batch_size (int): captions per ``annotate`` call. Default 100 (ONI's).
+        max_concurrency (int): calls in flight at once. Default 4.
+        poll_interval_s (float): longest sleep between rounds (retries become due). Default 1.
+        pairs (bool): also answer the store's ranking pairs with ``annotator.compare``.
+        close_annotator (bool): await ``annotator.aclose()`` when the worker stops.
+        log_interval_s (float): failures are summarised in the log at most this often.
+
+    Example:
+        >>> from torchrl_oni.annotators.base import Label, Provenance
+        >>> from torchrl_oni.annotation import AnnotationWorker
+        >>> from torchrl_oni.captions import encode_messages, hash_messages
+        >>> from torchrl_oni.store import CaptionStore
+        >>> class Constant:
+        ...     provenance = Provenance("constant")
+        ...     async def annotate(self, captions):
+        ...         return [Label(0.0, self.provenance) for _ in captions]
+        >>> store = CaptionStore(capacity=8)
+        >>> msgs = encode_messages(["Hello, Agent."])
+        >>> _ = store.add(msgs, hash_messages(msgs))
+        >>> worker = AnnotationWorker(store, Constant(), pairs=False).start()
+        >>> worker.wait_idle(timeout=10)
+        True
+        >>> worker.stop()
+        >>> store.stats()["labelled"]
+        1
+    """
+
+    def __init__(
+        self,
+        store: CaptionStore,
+        annotator: Annotator,
+        *,
+        batch_size: int = 100,
+        max_concurrency: int = 4,
+        poll_interval_s: float = 1.0,
+        pairs: bool = True,
+        close_annotator: bool = False,
+        log_interval_s: float = 60.0,
+    ):
+        if batch_size < 1 or max_concurrency < 1:
+            raise ValueError("batch_size and max_concurrency must be >= 1")
+        self.store = store
+        self.annotator = annotator
+        self.batch_size = int(batch_size)
+        self.max_concurrency = int(max_concurrency)
+        self.poll_interval_s = float(poll_interval_s)
+        self.pairs = pairs and hasattr(annotator, "compare")
+        self.close_annotator = close_annotator
+        self.log_interval_s = float(log_interval_s)
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._wake_event: Optional[asyncio.Event] = None
+        self._ready = threading.Event()
+        self._stopping = False
+        self._drain_timeout_s = 5.0
+        self._metrics_lock = threading.Lock()
+        self._in_flight = 0
+        self._idle = threading.Event()
+        # wake() bumps this; the worker only declares itself idle if no wake came in since it
+        # last looked for work (else a caption added mid-round could be missed by wait_idle).
+        self._wake_seq = 0
+        self._idle_lock = threading.Lock()
+        self._started_at: Optional[float] = None
+        self._label_times: Deque[Tuple[float, int]] = collections.deque()
+        self._latencies: Deque[float] = collections.deque(maxlen=100)
+        self.labels_total = 0
+        self.preferences_total = 0
+        self.requests_total = 0
+        self.parse_failures = 0
+        self.server_errors = 0
+        self.failures_by_kind: Dict[str, int] = {}
+        self._unlogged_failures: Dict[str, int] = {}
+        self._last_failure_log = float("-inf")
+        self.crashed: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ control
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "AnnotationWorker":
+        """Starts the thread (no-op when already running). Returns ``self``."""
+        if self.running:
+            return self
+        self._stopping = False
+        self._ready.clear()
+        self._idle.clear()
+        self._started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._thread_main, name="oni-annotation", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout=10)
+        return self
+
+    def wake(self) -> None:
+        """Tells the worker there may be new captions (thread-safe, never blocks)."""
+        with self._idle_lock:
+            self._wake_seq += 1
+            self._idle.clear()
+        loop, event = self._loop, self._wake_event
+        if loop is not None and event is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until nothing is in flight and nothing is claimable (for tests and shutdown).
+
+        Returns False on timeout. Captions waiting for a retry backoff do not count as work.
+        """
+        if not self.running:
+            return False
+        self.wake()
+        return self._idle.wait(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops the worker: in-flight calls get ``timeout`` seconds to finish, then are
+        cancelled and their captions released back to unseen, so nothing is lost."""
+        if self._thread is None:
+            return
+        self._drain_timeout_s = float(timeout)
+        self._stopping = True
+        self.wake()
+        self._thread.join(timeout + 5.0)
+        self._thread = None
+        self._flush_failure_log(force=True)
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> Dict[str, float]:
+        """Counters: ``labels_per_s`` (last minute), ``labels_total``, ``preferences_total``,
+        ``requests_total``, ``in_flight``, ``parse_failures``, ``server_errors``,
+        ``latency_s`` (mean of the last 100 calls), ``latency_max_s``."""
+        now = time.monotonic()
+        with self._metrics_lock:
+            while self._label_times and now - self._label_times[0][0] > 60.0:
+                self._label_times.popleft()
+            recent = sum(n for _, n in self._label_times)
+            window = min(60.0, now - self._started_at) if self._started_at is not None else 0.0
+            latencies = list(self._latencies)
+            return {
+                "labels_per_s": recent / window if window > 0 else 0.0,
+                "labels_total": self.labels_total,
+                "preferences_total": self.preferences_total,
+                "requests_total": self.requests_total,
+                "in_flight": self._in_flight,
+                "parse_failures": self.parse_failures,
+                "server_errors": self.server_errors,
+                "latency_s": float(np.mean(latencies)) if latencies else 0.0,
+                "latency_max_s": float(np.max(latencies)) if latencies else 0.0,
+                "worker_running": float(self.running),
+            }
+
+    def _record_success(self, n_labels: int, n_prefs: int, latency: float) -> None:
+        now = time.monotonic()
+        with self._metrics_lock:
+            self.requests_total += 1
+            self.labels_total += n_labels
+            self.preferences_total += n_prefs
+            self._latencies.append(latency)
+            if n_labels + n_prefs:
+                self._label_times.append((now, n_labels + n_prefs))
+
+    def _record_failures(self, kinds: Sequence[str]) -> None:
+        with self._metrics_lock:
+            for kind in kinds:
+                if _is_parse_failure(kind):
+                    self.parse_failures += 1
+                else:
+                    self.server_errors += 1
+                self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
+                self._unlogged_failures[kind] = self._unlogged_failures.get(kind, 0) + 1
+        self._flush_failure_log()
+
+    def _flush_failure_log(self, force: bool = False) -> None:
+        now = time.monotonic()
+        with self._metrics_lock:
+            if not self._unlogged_failures:
+                return
+            if not force and now - self._last_failure_log < self.log_interval_s:
+                return
+            summary = ", ".join(f"{k}: {v}" for k, v in sorted(self._unlogged_failures.items()))
+            self._unlogged_failures = {}
+            self._last_failure_log = now
+        logger.warning("annotation failures since last report (retried up to the store's limit): %s", summary)
+
+    # ------------------------------------------------------------------ the loop
+    def _thread_main(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._main(loop))
+        except BaseException as err:  # keep the trainer alive; report through metrics/logs
+            self.crashed = err
+            logger.exception("annotation worker crashed")
+        finally:
+            self._loop = None
+            self._wake_event = None
+            self._ready.set()
+            self._idle.set()
+            loop.close()
+
+    async def _main(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._wake_event = asyncio.Event()
+        self._loop = loop
+        self._ready.set()
+        in_flight: set = set()
+        while not self._stopping:
+            seq = self._wake_seq
+            while len(in_flight) < self.max_concurrency:
+                task = self._next_task()
+                if task is None:
+                    break
+                in_flight.add(task)
+            with self._metrics_lock:
+                self._in_flight = len(in_flight)
+            if not in_flight:
+                with self._idle_lock:
+                    if self._wake_seq == seq:
+                        self._idle.set()
+            wake = asyncio.ensure_future(self._wake_event.wait())
+            done, _ = await asyncio.wait(
+                in_flight | {wake}, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            wake.cancel()
+            self._wake_event.clear()
+            in_flight -= done
+        # Shutdown: give in-flight calls a moment, then cancel (their captions are released).
+        if in_flight:
+            _, still = await asyncio.wait(in_flight, timeout=self._drain_timeout_s)
+            for task in still:
+                task.cancel()
+            if still:
+                await asyncio.gather(*still, return_exceptions=True)
+        with self._metrics_lock:
+            self._in_flight = 0
+        if self.close_annotator and hasattr(self.annotator, "aclose"):
+            try:
+                await self.annotator.aclose()
+            except Exception:
+                logger.exception("annotator.aclose() failed")
+
+    def _next_task(self) -> Optional[asyncio.Task]:
+        hashes, texts = self.store.claim(self.batch_size)
+        if texts:
+            return asyncio.ensure_future(self._annotate(hashes, texts))
+        if self.pairs:
+            slots, pairs = self.store.claim_pairs(self.batch_size)
+            if pairs:
+                return asyncio.ensure_future(self._compare(slots, pairs))
+        return None
+
+    async def _annotate(self, hashes: torch.Tensor, texts: List[str]) -> None:
+        start = time.monotonic()
+        try:
+            labels = await self.annotator.annotate(texts)
+        except asyncio.CancelledError:
+            self.store.release(hashes)
+            raise
+        except Exception as err:
+            kind = type(err).__name__
+            self.store.mark_failed(hashes, kind)
+            self._record_failures([kind] * len(texts))
+            return
+        if len(labels) != len(texts):
+            self.store.mark_failed(hashes, "wrong_count")
+            self._record_failures(["wrong_count"] * len(texts))
+            return
+        ok = [i for i, label in enumerate(labels) if label.ok]
+        if ok:
+            self.store.set_labels(
+                hashes[ok],
+                [labels[i].value for i in ok],
+                [labels[i].provenance for i in ok],
+                scores=[np.nan if labels[i].score is None else labels[i].score for i in ok],
+            )
+        failed: Dict[str, List[int]] = {}
+        for i, label in enumerate(labels):
+            if not label.ok:
+                failed.setdefault(label.error or "no_value", []).append(i)
+        for kind, idx in failed.items():
+            self.store.mark_failed(hashes[idx], kind)
+        self._record_success(len(ok), 0, time.monotonic() - start)
+        if failed:
+            self._record_failures([k for k, idx in failed.items() for _ in idx])
+
+    async def _compare(self, slots: torch.Tensor, pairs: List[Tuple[str, str]]) -> None:
+        start = time.monotonic()
+        try:
+            prefs = await self.annotator.compare(pairs)
+        except asyncio.CancelledError:
+            self.store.release_pairs(slots)
+            raise
+        except Exception as err:
+            kind = type(err).__name__
+            self.store.mark_pairs_failed(slots, kind)
+            self._record_failures([kind] * len(pairs))
+            return
+        if len(prefs) != len(pairs):
+            self.store.mark_pairs_failed(slots, "wrong_count")
+            self._record_failures(["wrong_count"] * len(pairs))
+            return
+        ok = [i for i, p in enumerate(prefs) if p.ok]
+        if ok:
+            self.store.set_preferences(slots[ok], [prefs[i].value for i in ok], [prefs[i].provenance for i in ok])
+        failed: Dict[str, List[int]] = {}
+        for i, p in enumerate(prefs):
+            if not p.ok:
+                failed.setdefault(p.error or "no_value", []).append(i)
+        for kind, idx in failed.items():
+            self.store.mark_pairs_failed(slots[idx], kind)
+        self._record_success(0, len(ok), time.monotonic() - start)
+        if failed:
+            self._record_failures([k for k, idx in failed.items() for _ in idx])
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_COPY_ERROR.format(cls=type(self).__name__))
+
+    def __getstate__(self):
+        raise TypeError(_COPY_ERROR.format(cls=type(self).__name__))
+
+
+class LLMAnnotationTransform(Transform):
+    """Sends the captions it sees to an LLM annotator in the background; data pass through.
+
+    On every call it reads ``caption_hash`` and ``message`` (at the root and, when present,
+    under ``"next"``), adds them to ``store``, and wakes its :class:`AnnotationWorker`, which
+    labels new captions asynchronously. Nothing waits for the LLM. The data are not modified,
+    except for an optional boolean ``labelled_key`` (declared in the observation spec) saying
+    whether each step's caption already has a label.
+
+    Works on a collector batch (``[T, K]`` or ``[K, T]``, any batch shape), a replay-buffer
+    sample, or as a ``TransformedEnv`` transform in a single process. With a
+    ``MultiAsyncCollector``, call it in the trainer on each batch: the collector deep-copies
+    its ``postproc`` into worker processes.
+
+    Args:
+        store (CaptionStore): the caption store (shared with the reward transform).
+        annotator (Annotator): the labeller (:mod:`torchrl_oni.annotators`).
+
+    Keyword Args:
+        message_key, hash_key: the keys to read (defaults ``"message"``, ``"caption_hash"``;
+            the hash is computed from the message when absent).
+        include_next (bool): also read ``("next", message_key)`` when present. Default True
+            (terminal captions, e.g. death messages, only appear there).
+        labelled_key (str, optional): write a bool "caption is labelled" entry under this key.
+        batch_size, max_concurrency, poll_interval_s, pairs, close_annotator, log_interval_s:
+            passed to :class:`AnnotationWorker`.
+        coverage_window (int): number of recent calls over which ``coverage`` is measured.
+        autostart (bool): start the worker on the first call (default). If False, call
+            :meth:`start`.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl_oni.annotators.base import Label, Provenance
+        >>> from torchrl_oni.annotation import LLMAnnotationTransform
+        >>> from torchrl_oni.captions import encode_messages, hash_messages
+        >>> from torchrl_oni.store import CaptionStore
+        >>> class Zero:
+        ...     provenance = Provenance("zero")
+        ...     async def annotate(self, captions):
+        ...         return [Label(0.0, self.provenance) for _ in captions]
+        >>> msgs = torch.from_numpy(encode_messages(["a", "b", "a", "c"])).reshape(2, 2, 256)
+        >>> batch = TensorDict(message=msgs, caption_hash=torch.from_numpy(hash_messages(msgs)), batch_size=[2, 2])
+        >>> annotate = LLMAnnotationTransform(CaptionStore(capacity=8), Zero(), labelled_key="caption_labelled")
+        >>> out = annotate(batch)
+        >>> out["caption_labelled"].shape
+        torch.Size([2, 2])
+        >>> annotate.wait_idle(timeout=10)
+        True
+        >>> annotate.metrics()["labelled"]
+        3
+        >>> annotate.close()
+    """
+
+    def __init__(
+        self,
+        store: CaptionStore,
+        annotator: Annotator,
+        *,
+        message_key: str = MESSAGE_KEY,
+        hash_key: str = CAPTION_HASH_KEY,
+        include_next: bool = True,
+        labelled_key: Optional[str] = None,
+        batch_size: int = 100,
+        max_concurrency: int = 4,
+        poll_interval_s: float = 1.0,
+        pairs: bool = True,
+        close_annotator: bool = False,
+        log_interval_s: float = 60.0,
+        coverage_window: int = 32,
+        autostart: bool = True,
+    ):
+        super().__init__(in_keys=[hash_key, message_key], out_keys=[labelled_key] if labelled_key else [])
+        self.store = store
+        self.message_key = message_key
+        self.hash_key = hash_key
+        self.include_next = include_next
+        self.labelled_key = labelled_key
+        self.autostart = autostart
+        self.worker = AnnotationWorker(
+            store,
+            annotator,
+            batch_size=batch_size,
+            max_concurrency=max_concurrency,
+            poll_interval_s=poll_interval_s,
+            pairs=pairs,
+            close_annotator=close_annotator,
+            log_interval_s=log_interval_s,
+        )
+        self._coverage: Deque[Tuple[int, int]] = collections.deque(maxlen=int(coverage_window))
+        self._steps_seen = 0
+        self._new_captions = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "LLMAnnotationTransform":
+        """Starts the background worker (done automatically on the first call by default)."""
+        if self._closed:
+            raise RuntimeError("this LLMAnnotationTransform is closed")
+        self.worker.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops the worker; captions still being annotated go back to unseen. Idempotent."""
+        self._closed = True
+        self.worker.stop(timeout)
+
+    def __enter__(self) -> "LLMAnnotationTransform":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the worker has nothing left to do (tests, end of a run)."""
+        return self.worker.wait_idle(timeout)
+
+    def __copy__(self) -> "LLMAnnotationTransform":
+        # Transform.clone() makes a shallow copy: the copy shares the worker and the store.
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_COPY_ERROR.format(cls=type(self).__name__))
+
+    def __getstate__(self):
+        raise TypeError(_COPY_ERROR.format(cls=type(self).__name__))
+
+    # ------------------------------------------------------------------ data path
+    def _groups(self, tensordict: TensorDictBase) -> List[TensorDictBase]:
+        groups = [tensordict]
+        if self.include_next:
+            nxt = tensordict.get("next", None)
+            if isinstance(nxt, TensorDictBase):
+                groups.append(nxt)
+        return groups
+
+    def _observe(self, groups: List[TensorDictBase]) -> None:
+        messages, hashes, shapes, holders = [], [], [], []
+        for td in groups:
+            msg = td.get(self.message_key, None)
+            if msg is None:
+                continue
+            h = td.get(self.hash_key, None)
+            if h is None:
+                h = torch.from_numpy(hash_messages(msg))
+            messages.append(msg.reshape(-1, msg.shape[-1]))
+            hashes.append(h.reshape(-1))
+            shapes.append(h.shape)
+            holders.append(td)
+        if not messages:
+            if self.missing_tolerance:
+                return
+            raise KeyError(f"{type(self).__name__}: no '{self.message_key}' entry in the tensordict")
+        all_msgs = messages[0] if len(messages) == 1 else torch.cat(messages)
+        all_hashes = hashes[0] if len(hashes) == 1 else torch.cat(hashes)
+        new = self.store.add(all_msgs, all_hashes)
+        n_new = int(new.sum())
+        # Coverage counts the steps of the first group (the root): each step once.
+        _, found = self.store.lookup(hashes[0])
+        self._coverage.append((int(found.sum()), found.numel()))
+        self._steps_seen += found.numel()
+        self._new_captions += n_new
+        if self.labelled_key is not None:
+            holders[0].set(self.labelled_key, found.reshape(shapes[0]))
+            for td, h, shape in zip(holders[1:], hashes[1:], shapes[1:]):
+                _, found_next = self.store.lookup(h)
+                td.set(self.labelled_key, found_next.reshape(shape))
+        if self._closed:
+            return
+        if not self.worker.running and self.autostart:
+            self.worker.start()
+        if n_new:
+            self.worker.wake()
+
+    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
+        self._observe([next_tensordict])
+        return next_tensordict
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        return self._call(tensordict_reset)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        self._observe(self._groups(tensordict))
+        return tensordict
+
+    # ------------------------------------------------------------------ specs
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        if self.labelled_key is None:
+            return observation_spec
+        keys = observation_spec.keys(True, True)
+        if self.hash_key in keys:
+            shape = observation_spec[self.hash_key].shape
+        else:
+            shape = observation_spec[self.message_key].shape[:-1]
+        observation_spec[self.labelled_key] = Categorical(
+            2, shape=shape, dtype=torch.bool, device=observation_spec.device
+        )
+        return observation_spec
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> Dict[str, float]:
+        """Annotation health, for logging.
+
+        Keys: the worker's (``labels_per_s``, ``labels_total``, ``parse_failures``,
+        ``server_errors``, ``latency_s``, ...), the store's queue (``pending`` = claimed and in
+        the annotator, ``unseen`` = waiting, ``queue_depth`` = both, ``labelled``, ``failed``,
+        ``size``), ``coverage``
+        (fraction of steps in the last ``coverage_window`` calls whose caption was labelled at
+        the time), ``steps_seen`` and ``new_captions``.
+        """
+        out = dict(self.worker.metrics())
+        stats = self.store.stats()
+        for key in ("size", "unseen", "pending", "labelled", "failed", "retrying", "positives"):
+            out[key] = stats[key]
+        out["queue_depth"] = stats["unseen"] + stats["pending"]
+        labelled = sum(n for n, _ in self._coverage)
+        total = sum(n for _, n in self._coverage)
+        out["coverage"] = labelled / total if total else 0.0
+        out["steps_seen"] = self._steps_seen
+        out["new_captions"] = self._new_captions
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(keys=({self.hash_key!r}, {self.message_key!r}), "
+            f"labelled_key={self.labelled_key!r}, store={self.store!r})"
+        )

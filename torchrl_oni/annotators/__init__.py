@@ -1,0 +1,41 @@
+"""Annotators: turn NetHack messages into progress labels and pairwise preferences.
+
+* :mod:`~torchrl_oni.annotators.base`: the protocol (:class:`Label`, :class:`Preference`,
+  :class:`Provenance`, :class:`Annotator`, :class:`AnnotatorStats`).
+* :class:`OpenAIAnnotator`: any OpenAI-compatible server (vLLM, the embedded CPU server...).
+* :class:`ScriptedAnnotator`: hand-written NetHack rules, a no-LLM fallback and test tool.
+* :mod:`~torchrl_oni.annotators.prompts` / :mod:`~torchrl_oni.annotators.parsing`: the
+  versioned prompt templates and the answer parsers.
+
+Example:
+    >>> from torchrl_oni.annotators import Annotator, ScriptedAnnotator
+    >>> isinstance(ScriptedAnnotator(), Annotator)
+    True
+"""
+from torchrl_oni.annotators.base import (
+    FIRST,
+    SECOND,
+    TIE,
+    Annotator,
+    AnnotatorStats,
+    Label,
+    Preference,
+    Provenance,
+)
+from torchrl_oni.annotators.openai import AnnotatorUnavailable, CircuitBreaker, OpenAIAnnotator
+from torchrl_oni.annotators.scripted import ScriptedAnnotator
+
+__all__ = [
+    "FIRST",
+    "SECOND",
+    "TIE",
+    "Annotator",
+    "AnnotatorStats",
+    "AnnotatorUnavailable",
+    "CircuitBreaker",
+    "Label",
+    "OpenAIAnnotator",
+    "Preference",
+    "Provenance",
+    "ScriptedAnnotator",
+]

@@ -1,0 +1,408 @@
+"""ONI's and Motif's NetHack tasks, re-created on NLE 1.3 + gymnasium, seedable.
+
+NLE 1.3 registers only ``NetHack*-v0``; ONI (the paper) used the 28-action ``*ExtendedActions``
+tasks and Motif the 23-action ones. This module re-creates them as gymnasium envs with:
+
+* the rewards and terminations of the originals (score delta with a -0.01 penalty on steps where
+  the in-game clock stands still; +50 for reaching dungeon level N by the stairs; +50 for
+  standing next to the Oracle; ``Continual`` variants that pay +50 once and go on);
+* the ExtendedActions step logic: eat/drink prompts answered by the NW key, auto-dismissed
+  ``--More--`` (keeping "You descend the stairs." in the observation, which the staircase
+  tasks need), text prompts escaped, yes/no prompts escaped unless the agent must answer,
+  the CAST macro (first spell) and auto-``#enhance``;
+* **seeding**: ``reset(seed=s)`` makes the game reproducible, and later episodes derive their own
+  seeds from ``s``, so the same seed and the same actions give the same trajectory (the
+  original could not be seeded);
+* **time limits reported as truncation** (``terminated=False, truncated=True``), so value
+  bootstrapping stays correct. ``timeout_as_termination=True`` restores the original behaviour,
+  where a time-out was a terminal state like death.
+
+The env is lean on purpose: it copies only the blstats it needs between steps (NLE's own
+``step`` copies every observation array), because the batched TorchRL env steps many of these
+per process and NetHack itself takes only ~50 µs a step.
+
+Example:
+    >>> from torchrl_oni.envs.tasks import make_task
+    >>> env = make_task("score")
+    >>> obs, info = env.reset(seed=3)
+    >>> sorted(obs)[:3], int(env.action_space.n)
+    (['blstats', 'chars', 'colors'], 28)
+    >>> obs, reward, terminated, truncated, info = env.step(0)
+    >>> sorted(k for k in info if k in ("dlvl", "gold", "xlvl"))
+    ['dlvl', 'gold', 'xlvl']
+    >>> env.close()
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+from nle import nethack
+from nle.env import base as nle_base
+from nle.env import tasks as nle_tasks
+
+__all__ = [
+    "TASKS",
+    "TASK_ALIASES",
+    "ONITask",
+    "make_task",
+    "resolve_task",
+    "task_names",
+    "MOTIF_ACTIONS",
+    "EXTENDED_ACTIONS",
+]
+
+# 23 actions of NLE's TASK_ACTIONS, and the 5 ONI adds (cast, quaff, pray, pick up, pay).
+MOTIF_ACTIONS = tuple(nle_tasks.TASK_ACTIONS)
+EXTENDED_ACTIONS = MOTIF_ACTIONS + (
+    nethack.Command.CAST,
+    nethack.Command.QUAFF,
+    nethack.Command.PRAY,
+    nethack.Command.PICKUP,
+    nethack.Command.PAY,
+)
+
+OBSERVATION_KEYS = ("glyphs", "chars", "colors", "blstats", "message")
+
+# Yes/no questions the agent answers itself (NLE's list plus "drink").
+ANSWERED_BY_AGENT = (b"eat", b"attack", b"direction?", b"pray", b"drink")
+DESCEND_MESSAGE = b"You descend the stairs."
+ENHANCE_MESSAGE = b"You feel more confident in"
+FOOD_PROMPTS = (b"What do you want to eat", b"What do you want to drink")
+OPTIONS_RE = re.compile(rb"\[([a-zA-Z]+)")
+
+ASCII_SPACE = ord(" ")
+ASCII_ESC = 27
+KEY_Y = ord("y")
+KEY_A = ord("a")
+
+BL = nethack  # blstats indices, e.g. BL.NLE_BL_SCORE
+CONDITION_HALLUCINATING = 512
+SUCCESS_REWARD = 50.0
+TIME_PENALTY = -0.01
+
+
+def _oracle_glyph() -> int:
+    for glyph in range(nethack.GLYPH_MON_OFF, nethack.GLYPH_PET_OFF):
+        if nethack.permonst(nethack.glyph_to_mon(glyph)).mname == "Oracle":
+            return glyph
+    raise RuntimeError("NLE has no Oracle monster glyph")
+
+
+def _derive_seeds(seed: int, episode: int) -> Tuple[int, int]:
+    """Two NetHack seeds (core, disp) for one episode of a seeded env."""
+    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(episode)])
+    core, disp = ss.generate_state(2, dtype=np.uint64)
+    # NetHack takes signed longs; keep them positive and below 2**62.
+    return int(core >> np.uint64(2)), int(disp >> np.uint64(2))
+
+
+class ONITask(nle_base.NLE):
+    """Base of every ONI/Motif task: NLE with ONI's step logic, seeding and truncation.
+
+    Args:
+        extended_actions: 28 actions and ONI's ExtendedActions step logic (True), or Motif's
+            23 actions with only the eat-prompt rule (False).
+        goal: ``"score"``, ``"staircase"``, ``"oracle"``.
+        target_level: dungeon level to reach for ``staircase`` (2, 3 or 4).
+        sober: for ``oracle``, also require not hallucinating (OracleSober).
+        continual: pay the success reward once and keep playing (Motif's intrinsic-only tasks).
+        timeout_as_termination: report the step limit as termination, like the original.
+        max_episode_steps: agent steps before the game is stopped (default 5000).
+        character: NetHack character string (default ``"mon-hum-neu-mal"``, a Monk).
+        observation_keys: NLE keys to return (``glyphs``, ``blstats``, ``message`` are
+            always needed internally).
+    """
+
+    StepStatus = nle_tasks.NetHackStaircase.StepStatus  # ABORTED, RUNNING, DEATH, TASK_SUCCESSFUL
+
+    def __init__(
+        self,
+        *,
+        extended_actions: bool = True,
+        goal: str = "score",
+        target_level: int = 2,
+        sober: bool = False,
+        continual: bool = False,
+        timeout_as_termination: bool = False,
+        max_episode_steps: int = 5000,
+        character: str = "mon-hum-neu-mal",
+        observation_keys=OBSERVATION_KEYS,
+        **kwargs,
+    ):
+        if goal not in ("score", "staircase", "oracle"):
+            raise ValueError(f"unknown goal {goal!r}")
+        actions = EXTENDED_ACTIONS if extended_actions else MOTIF_ACTIONS
+        super().__init__(
+            actions=actions,
+            max_episode_steps=max_episode_steps,
+            character=character,
+            observation_keys=tuple(observation_keys),
+            fix_moon_phase=True,  # phase of the moon from the seed, not the wall clock
+            **kwargs,
+        )
+        self.extended_actions = extended_actions
+        self.goal = goal
+        self.target_level = int(target_level)
+        self.sober = sober
+        self.continual = continual
+        self.timeout_as_termination = timeout_as_termination
+        self._chars_index = self._observation_keys.index("chars") if "chars" in self._observation_keys else None
+        self._colors_index = self._observation_keys.index("colors") if "colors" in self._observation_keys else None
+        self._oracle = _oracle_glyph() if goal == "oracle" else None
+        self._seed: Optional[int] = None
+        self._seeded_episode = 0
+        self._reset_stats()
+
+    # ------------------------------------------------------------------ seeding
+    def reset(self, seed: Optional[int] = None, options=None):
+        if seed is not None:
+            self._seed = int(seed)
+            self._seeded_episode = 0
+        if self._seed is not None:
+            core, disp = _derive_seeds(self._seed, self._seeded_episode)
+            self.nethack.set_initial_seeds(core, disp, False, None)
+            self._seeded_episode += 1
+        self._reset_stats()
+        obs, info = super().reset(options=options)
+        self._prev_message = self.last_observation[self._message_index].tobytes().split(b"\0", 1)[0]
+        self._prev_blstats = self.last_observation[self._blstats_index].copy()
+        self._last_game_blstats = self._prev_blstats.copy()
+        self._update_scout(self.last_observation)
+        info.update(self._episode_info())
+        return obs, info
+
+    def _reset_stats(self):
+        self._kills = 0
+        self._scout: Dict[Tuple[int, int], int] = {}
+        self._paid_success = False
+        self._prev_message = b""
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, action: int):
+        """Gymnasium step: ``(obs, reward, terminated, truncated, info)``."""
+        reward, terminated, truncated, end_status, success = self.step_core(action)
+        info = {"end_status": end_status, "success": success}
+        info.update(self._episode_info())
+        return self._get_observation(self.last_observation), reward, terminated, truncated, info
+
+    def step_core(self, action: int):
+        """One agent step without building the observation dict or info (the batched env's path).
+
+        Returns:
+            ``(reward, terminated, truncated, end_status, success)``; the observation is left in
+            ``self.last_observation`` (NLE's reused buffers: copy what you keep).
+        """
+        key = self._key_for(int(action), self._prev_message)
+        observation, done = self.nethack.step(key)
+        observation, done = self._known_steps(observation, done, key)
+        self._steps += 1
+        self.last_observation = observation
+
+        blstats = observation[self._blstats_index]
+        message = observation[self._message_index].tobytes()
+        self._prev_message = message.split(b"\0", 1)[0]
+        if b"you kill " in self._prev_message.lower():  # counted when seen, last step included
+            self._kills += 1
+        in_game = self.nethack.in_normal_game()
+        if in_game:
+            self._last_game_blstats = blstats.copy()
+            self._update_scout(observation)
+
+        success = (not done) and self._success(observation, self._prev_message)
+        timed_out = self._steps >= self._max_episode_steps
+        reward = self._reward(blstats, in_game, success)
+        self._prev_blstats = blstats.copy()
+
+        if done:
+            end_status = self.StepStatus.DEATH
+        elif success and not self.continual:
+            end_status = self.StepStatus.TASK_SUCCESSFUL
+        elif timed_out:
+            end_status = self.StepStatus.ABORTED
+        else:
+            end_status = self.StepStatus.RUNNING
+
+        terminated = end_status in (self.StepStatus.DEATH, self.StepStatus.TASK_SUCCESSFUL)
+        truncated = end_status == self.StepStatus.ABORTED
+        if truncated and self.timeout_as_termination:
+            terminated, truncated = True, False
+        if end_status != self.StepStatus.RUNNING and not done:
+            # stop the game now; the observation the agent sees is the one before quitting
+            kept = tuple(a.copy() for a in observation)
+            self._quit_game(observation, done)
+            self.last_observation = kept
+        return reward, bool(terminated), bool(truncated), int(end_status), bool(success)
+
+    def _key_for(self, action: int, prev_message: bytes) -> int:
+        key = int(self.actions[action])
+        prompts = FOOD_PROMPTS if self.extended_actions else FOOD_PROMPTS[:1]
+        if any(p in prev_message for p in prompts):
+            if key == KEY_Y:  # the NW key doubles as "take the first offered item"
+                match = OPTIONS_RE.search(prev_message)
+                return match.group(1)[0] if match else ASCII_SPACE
+            return ASCII_SPACE  # anything else cancels the prompt
+        return key
+
+    def _known_steps(self, observation, done, key):
+        """Answers the game's prompts the agent is not meant to see (ONI §4.3)."""
+        internal_i, msg_i = self._internal_index, self._message_index
+        enhance = False
+        cast_pending = self.extended_actions and key == nethack.Command.CAST
+        for _ in range(64):  # a guard: NetHack never chains this many prompts
+            if done:
+                break
+            if cast_pending:  # the CAST macro: always the first spell
+                cast_pending = False
+                observation, done = self.nethack.step(KEY_A)
+                continue
+            message = bytes(observation[msg_i])
+            if ENHANCE_MESSAGE in message:
+                enhance = True
+            internal = observation[internal_i]
+            if internal[3]:  # --More--
+                observation, done = self.nethack.step(ASCII_SPACE)
+                if DESCEND_MESSAGE in message and not done:
+                    # keep the arrival message: the staircase tasks are judged on it
+                    observation[msg_i][:] = np.frombuffer(message, dtype=np.uint8)
+                continue
+            if internal[2]:  # the game wants a line of text
+                observation, done = self.nethack.step(ASCII_ESC)
+                continue
+            if internal[1]:  # a yes/no question
+                if not self._allow_all_yn_questions and not any(
+                    q in message for q in ANSWERED_BY_AGENT
+                ):
+                    observation, done = self.nethack.step(ASCII_ESC)
+            if enhance and self.extended_actions and not done:
+                enhance = False
+                observation, done = self.nethack.step(nethack.Command.ENHANCE)
+                if not done:
+                    observation, done = self.nethack.step(KEY_A)
+                    continue
+            break
+        return observation, done
+
+    # ------------------------------------------------------------------ rewards
+    def _success(self, observation, message: bytes) -> bool:
+        if self.goal == "staircase":
+            blstats = observation[self._blstats_index]
+            return DESCEND_MESSAGE[:-1] in message and int(blstats[BL.NLE_BL_DLEVEL]) == self.target_level
+        if self.goal == "oracle":
+            blstats = observation[self._blstats_index]
+            x, y = int(blstats[BL.NLE_BL_X]), int(blstats[BL.NLE_BL_Y])
+            glyphs = observation[self._glyph_index]
+            window = glyphs[max(y - 1, 0) : y + 2, max(x - 1, 0) : x + 2]
+            found = bool((window == self._oracle).any())
+            if found and self.sober:
+                found = int(blstats[BL.NLE_BL_CONDITION]) != CONDITION_HALLUCINATING
+            return found
+        return False
+
+    def _reward(self, blstats, in_game: bool, success: bool) -> float:
+        if self.goal == "score":
+            return score_reward(self._prev_blstats, blstats, in_game)
+        if success and not self._paid_success:
+            if self.continual:
+                self._paid_success = True
+            return SUCCESS_REWARD
+        return 0.0
+
+    # ------------------------------------------------------------------ statistics
+    def _update_scout(self, observation):
+        blstats = observation[self._blstats_index]
+        level = (int(blstats[BL.NLE_BL_DNUM]), int(blstats[BL.NLE_BL_DLEVEL]))
+        glyphs = observation[self._glyph_index]
+        self._scout[level] = int(np.count_nonzero(glyphs != nethack.GLYPH_CMAP_OFF))
+
+    def _episode_info(self) -> dict:
+        bl = self._last_game_blstats
+        return {
+            "dlvl": int(bl[BL.NLE_BL_DEPTH]),
+            "gold": int(bl[BL.NLE_BL_GOLD]),
+            "xlvl": int(bl[BL.NLE_BL_XP]),
+            "scout": int(sum(self._scout.values())),
+            "kills": int(self._kills),
+        }
+
+
+def score_reward(prev_blstats, blstats, in_game: bool) -> float:
+    """Score task reward: in-game score delta, -0.01 on steps where the game clock stood still.
+
+    Example:
+        >>> import numpy as np
+        >>> a = np.zeros(27, dtype=np.int64); b = a.copy(); b[9] = 20; b[20] = 1
+        >>> score_reward(a, b, True), score_reward(a, a, True), score_reward(a, b, False)
+        (20.0, -0.01, 0.0)
+    """
+    delta = float(blstats[BL.NLE_BL_SCORE] - prev_blstats[BL.NLE_BL_SCORE]) if in_game else 0.0
+    if int(blstats[BL.NLE_BL_TIME]) == int(prev_blstats[BL.NLE_BL_TIME]):
+        delta += TIME_PENALTY
+    return delta
+
+
+# ---------------------------------------------------------------------- the task table
+def _spec(extended, goal, level=2, sober=False, continual=False):
+    return dict(extended_actions=extended, goal=goal, target_level=level, sober=sober, continual=continual)
+
+
+TASKS: Dict[str, dict] = {
+    # the paper's four (28 actions)
+    "NetHackScoreExtendedActions-v1": _spec(True, "score"),
+    "NetHackOracleExtendedActions-v1": _spec(True, "oracle"),
+    "NetHackStaircaseLvl3ExtendedActions-v1": _spec(True, "staircase", 3),
+    "NetHackStaircaseLvl4ExtendedActions-v1": _spec(True, "staircase", 4),
+    # also registered by ONI
+    "NetHackStaircaseExtendedActions-v1": _spec(True, "staircase", 2),
+    "NetHackOracleSoberExtendedActions-v1": _spec(True, "oracle", sober=True),
+    # Motif's (23 actions)
+    "NetHackScore-v1": _spec(False, "score"),
+    "NetHackStaircase-v1": _spec(False, "staircase", 2),
+    "NetHackStaircaseLvl3-v1": _spec(False, "staircase", 3),
+    "NetHackStaircaseLvl4-v1": _spec(False, "staircase", 4),
+    "NetHackOracle-v1": _spec(False, "oracle"),
+    "NetHackOracleSober-v1": _spec(False, "oracle", sober=True),
+    "NetHackStaircaseContinual-v1": _spec(False, "staircase", 2, continual=True),
+    "NetHackStaircaseLvl3Continual-v1": _spec(False, "staircase", 3, continual=True),
+    "NetHackStaircaseLvl4Continual-v1": _spec(False, "staircase", 4, continual=True),
+}
+
+TASK_ALIASES = {
+    "score": "NetHackScoreExtendedActions-v1",
+    "oracle": "NetHackOracleExtendedActions-v1",
+    "oracle-sober": "NetHackOracleSoberExtendedActions-v1",
+    "staircase": "NetHackStaircaseExtendedActions-v1",
+    "staircase-lvl3": "NetHackStaircaseLvl3ExtendedActions-v1",
+    "staircase-lvl4": "NetHackStaircaseLvl4ExtendedActions-v1",
+}
+
+
+def task_names() -> list:
+    """Every accepted task name: the short aliases, then the full ids."""
+    return list(TASK_ALIASES) + list(TASKS)
+
+
+def resolve_task(name: str) -> str:
+    """Short alias or full id → full id; ``ValueError`` with the valid names otherwise.
+
+    Example:
+        >>> resolve_task("staircase-lvl3")
+        'NetHackStaircaseLvl3ExtendedActions-v1'
+    """
+    if name in TASKS:
+        return name
+    key = name.strip().lower().replace("_", "-")
+    if key in TASK_ALIASES:
+        return TASK_ALIASES[key]
+    for full in TASKS:  # case-insensitive full ids
+        if full.lower() == name.strip().lower():
+            return full
+    raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(task_names())}")
+
+
+def make_task(name: str = "score", **kwargs) -> ONITask:
+    """Builds a task env by alias or full id; keyword arguments go to :class:`ONITask`."""
+    spec = dict(TASKS[resolve_task(name)])
+    spec.update(kwargs)
+    return ONITask(**spec)

@@ -1,0 +1,83 @@
+"""Intrinsic reward sources of ONI and its baselines, their networks, trainers and scaling.
+
+Every reward source is called as ``reward(messages uint8[N, 256], hashes int64[N]) ->
+float32[N]`` and returns the reward *before* the per-episode count decay
+(:func:`~torchrl_oni.rewards.scaling.count_scale`) and the mixing coefficients
+(:func:`~torchrl_oni.rewards.scaling.combine_rewards`).
+
+* ``online_cls`` (ONI-Retrieval): :class:`RetrievalReward`; store needs ``lookup(hashes)``.
+* ``online_cls_reward_model`` (ONI-Classification): :class:`ClassificationReward` trained by
+  :class:`ClassifierTrainer`; store needs ``labelled()``.
+* ``online_motif`` (ONI-Ranking): :class:`RankingReward` trained by :class:`RankingTrainer`;
+  store needs ``sample_labelled_pairs(n)``; pairs to annotate come from
+  :class:`UniqueCaptionPairSampler`.
+* ``motif`` (offline Motif): :class:`MotifReward` from a :func:`train_reward_model` checkpoint.
+* ``cosine-bow`` (ELLM-BoW): :class:`BoWReward`.
+
+Example:
+    >>> import torch
+    >>> from torchrl_oni.rewards import count_scale
+    >>> count_scale(torch.ones(3), torch.tensor([1, 2, 3]), beta=3.0)
+    tensor([1.0000, 0.1250, 0.0370])
+"""
+from torchrl_oni.rewards.bow import BoWReward, HashedWordVectors, MiniLMTokenVectors
+from torchrl_oni.rewards.classification import (
+    ClassificationReward,
+    ClassifierTrainer,
+    LabelledCaptions,
+    RewardModelSchedule,
+    holdout_mask,
+)
+from torchrl_oni.rewards.models import MessageClassifier, MessageEncoder, MessageRewardModel
+from torchrl_oni.rewards.ranking import (
+    LabelledPairs,
+    RankingReward,
+    RankingTrainer,
+    UniqueCaptionPairSampler,
+    bradley_terry_loss,
+)
+from torchrl_oni.rewards.retrieval import LabelLookup, RetrievalReward
+from torchrl_oni.rewards.scaling import RunningMeanStd, combine_rewards, count_scale, threshold
+
+__all__ = [
+    "BoWReward",
+    "HashedWordVectors",
+    "MiniLMTokenVectors",
+    "ClassificationReward",
+    "ClassifierTrainer",
+    "LabelledCaptions",
+    "RewardModelSchedule",
+    "holdout_mask",
+    "MessageClassifier",
+    "MessageEncoder",
+    "MessageRewardModel",
+    "MotifReward",
+    "annotate_pairs",
+    "annotate_pairs_async",
+    "collect_pairs",
+    "train_reward_model",
+    "LabelledPairs",
+    "RankingReward",
+    "RankingTrainer",
+    "UniqueCaptionPairSampler",
+    "bradley_terry_loss",
+    "LabelLookup",
+    "RetrievalReward",
+    "RunningMeanStd",
+    "combine_rewards",
+    "count_scale",
+    "threshold",
+]
+
+# Motif's names load lazily, so that ``python -m torchrl_oni.rewards.motif`` runs its CLI
+# without the module having been imported by this package first.
+_MOTIF_NAMES = ("MotifReward", "annotate_pairs", "annotate_pairs_async", "collect_pairs",
+                "train_reward_model")
+
+
+def __getattr__(name):
+    if name in _MOTIF_NAMES:
+        from torchrl_oni.rewards import motif
+
+        return getattr(motif, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,630 @@
+"""Offline Motif: collect caption pairs, have them annotated, fit a reward model, serve it.
+
+The three offline phases of Motif (peers §1), as library functions and command-line tools:
+
+1. :func:`collect_pairs` draws pairs of two *different*, non-empty captions from an array of
+   messages (``oni-collect-pairs``).
+2. :func:`annotate_pairs` sends them, a chunk at a time, to any annotator with an async
+   ``compare``; the results file is rewritten atomically after every chunk, so a run that is
+   interrupted resumes where it stopped (``oni-annotate-pairs``). Pairs whose two captions are
+   identical are tied without a call, as Motif does.
+3. :func:`train_reward_model` fits a :class:`~torchrl_oni.rewards.models.MessageRewardModel`
+   with the Bradley–Terry loss and writes a checkpoint holding the weights, the mean μ and
+   standard deviation σ of the scores over all training messages, and the table of quantiles
+   q = 0.05 … 0.95 of ``z = (g - μ)/σ`` over the *distinct* training messages
+   (``oni-train-reward``).
+
+:class:`MotifReward` then pays ``R(m) = z · 1[z > q(quantile)]``. Its default quantile is 0.5,
+a valid column of the table (the original's default, -0.5, is not one and crashed, oni_spec
+§7.10).
+
+File formats (numpy ``.npz``):
+
+* pairs: ``first``, ``second``: ``uint8[N, 256]``.
+* annotations: ``preference`` ``float32[N]`` (P(second better); NaN = not labelled),
+  ``status`` ``int8[N]`` (0 pending, 1 labelled, 2 failed, 3 tied without a call), and
+  ``fingerprint``, a digest of the pairs, so results are never resumed against other pairs.
+
+Example:
+    >>> import numpy as np
+    >>> from torchrl_oni.captions import encode_messages
+    >>> from torchrl_oni.rewards.motif import collect_pairs
+    >>> msgs = encode_messages(["You kill the newt!", "", "It's a wall.", "You kill the newt!"])
+    >>> first, second = collect_pairs(msgs, num_pairs=4, seed=0)
+    >>> first.shape, bool((first != second).any(axis=1).all())
+    ((4, 256), True)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from torchrl_oni.captions import MESSAGE_LEN, decode_message, encode_messages, hash_messages
+from torchrl_oni.rewards.models import MessageRewardModel, as_message_tensor
+from torchrl_oni.rewards.ranking import UniqueCaptionPairSampler, bradley_terry_loss, pairwise_accuracy
+from torchrl_oni.rewards.scaling import threshold as threshold_values
+
+__all__ = [
+    "QUANTILE_LEVELS",
+    "collect_pairs",
+    "annotate_pairs",
+    "annotate_pairs_async",
+    "load_annotations",
+    "train_reward_model",
+    "MotifReward",
+    "collect_pairs_main",
+    "annotate_pairs_main",
+    "train_reward_main",
+]
+
+QUANTILE_LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05, 0.10, ..., 0.95
+
+PENDING, LABELLED, FAILED, AUTO_TIE = 0, 1, 2, 3
+CHECKPOINT_FORMAT = "torchrl_oni.motif_reward.v1"
+
+
+# --- 1. pairs ---------------------------------------------------------------------------------
+def collect_pairs(
+    messages, num_pairs: int, *, include_empty: bool = False, seed: int = 0
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Draws ``num_pairs`` pairs of two different captions, uniform over distinct captions.
+
+    Args:
+        messages: ``uint8[M, 256]`` messages (duplicates allowed; each distinct caption counts
+            once).
+        num_pairs: how many pairs to draw (with replacement over pairs).
+        include_empty: also use the empty message.
+        seed: random seed.
+
+    Returns:
+        ``(first, second)``, two ``uint8[num_pairs, 256]`` arrays.
+
+    Raises:
+        ValueError: if fewer than two distinct usable captions are given.
+    """
+    messages = np.asarray(as_message_tensor(messages).reshape(-1, MESSAGE_LEN).numpy())
+    sampler = UniqueCaptionPairSampler(
+        capacity=max(len(messages), 2), include_empty=include_empty, seed=seed
+    )
+    sampler.observe(messages, hash_messages(messages))
+    if len(sampler) < 2:
+        raise ValueError(
+            f"need at least 2 distinct{'' if include_empty else ' non-empty'} captions, "
+            f"got {len(sampler)}"
+        )
+    first, second, _, _ = sampler.sample_pairs(int(num_pairs))
+    return first, second
+
+
+def _fingerprint(first: np.ndarray, second: np.ndarray) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.ascontiguousarray(first, dtype=np.uint8).tobytes())
+    digest.update(np.ascontiguousarray(second, dtype=np.uint8).tobytes())
+    return digest.hexdigest()
+
+
+def _save_npz_atomic(path: Path, **arrays) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp.npz", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_annotations(path) -> dict:
+    """Reads an annotations file: ``{"preference", "status", "fingerprint"}``."""
+    with np.load(path, allow_pickle=False) as data:
+        return {
+            "preference": data["preference"].astype(np.float32),
+            "status": data["status"].astype(np.int8),
+            "fingerprint": str(data["fingerprint"]),
+        }
+
+
+# --- 2. annotation ----------------------------------------------------------------------------
+async def annotate_pairs_async(
+    first,
+    second,
+    annotator,
+    out_path,
+    *,
+    chunk_size: int = 100,
+    max_chunks: Optional[int] = None,
+    retry_failed: bool = False,
+    on_chunk: Optional[Callable[[int, int], None]] = None,
+) -> dict:
+    """Annotates the pairs chunk by chunk, saving after every chunk; resumes from ``out_path``.
+
+    Args:
+        first, second: ``uint8[N, 256]`` pairs (see :func:`collect_pairs`).
+        annotator: anything with ``async compare(list[tuple[str, str]]) -> list[Preference]``.
+        out_path: the annotations ``.npz``; if it exists (and was made for the same pairs),
+            only the pairs still pending (and the failed ones, with ``retry_failed``) are sent.
+        chunk_size: pairs per ``compare`` call, and per save.
+        max_chunks: stop after this many chunks (``None``: until done).
+        retry_failed: send pairs whose annotation failed before again.
+        on_chunk: called as ``on_chunk(done, total)`` after each saved chunk.
+
+    Returns:
+        The annotations, as :func:`load_annotations` returns them.
+
+    Raises:
+        ValueError: if ``out_path`` holds annotations of different pairs.
+    """
+    first = np.asarray(as_message_tensor(first).reshape(-1, MESSAGE_LEN).numpy())
+    second = np.asarray(as_message_tensor(second).reshape(-1, MESSAGE_LEN).numpy())
+    if first.shape != second.shape:
+        raise ValueError(f"first and second differ in shape: {first.shape} vs {second.shape}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    n = len(first)
+    fingerprint = _fingerprint(first, second)
+    out_path = Path(out_path)
+    if out_path.exists():
+        state = load_annotations(out_path)
+        if state["fingerprint"] != fingerprint or len(state["status"]) != n:
+            raise ValueError(f"{out_path} holds annotations of different pairs; use another --out")
+        preference, status = state["preference"], state["status"]
+    else:
+        preference = np.full(n, np.nan, dtype=np.float32)
+        status = np.zeros(n, dtype=np.int8)
+        # Identical captions are a tie by definition: no call needed.
+        identical = (first == second).all(axis=1)
+        preference[identical] = 0.5
+        status[identical] = AUTO_TIE
+
+    def save():
+        _save_npz_atomic(out_path, preference=preference, status=status,
+                         fingerprint=np.array(fingerprint))
+
+    save()
+    todo_mask = status == PENDING
+    if retry_failed:
+        todo_mask |= status == FAILED
+    todo = np.flatnonzero(todo_mask)
+    chunks = 0
+    for start in range(0, len(todo), chunk_size):
+        if max_chunks is not None and chunks >= max_chunks:
+            break
+        rows = todo[start : start + chunk_size]
+        pairs = [(decode_message(first[r]), decode_message(second[r])) for r in rows]
+        results = await annotator.compare(pairs)
+        if len(results) != len(rows):
+            raise RuntimeError(
+                f"annotator returned {len(results)} preferences for {len(rows)} pairs"
+            )
+        for r, result in zip(rows, results):
+            if getattr(result, "ok", False):
+                preference[r] = float(result.value)
+                status[r] = LABELLED
+            else:
+                preference[r] = np.nan
+                status[r] = FAILED
+        save()
+        chunks += 1
+        if on_chunk is not None:
+            on_chunk(int((status != PENDING).sum()), n)
+    return {"preference": preference, "status": status, "fingerprint": fingerprint}
+
+
+def annotate_pairs(first, second, annotator, out_path, **kwargs) -> dict:
+    """Synchronous :func:`annotate_pairs_async` (runs its own event loop)."""
+    return asyncio.run(annotate_pairs_async(first, second, annotator, out_path, **kwargs))
+
+
+# --- 3. reward-model training -----------------------------------------------------------------
+@torch.no_grad()
+def _scores(model, messages: torch.Tensor, device, chunk: int = 4096) -> torch.Tensor:
+    model.eval()
+    out = [model(c.to(device)).float().cpu() for c in messages.split(chunk)]
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def train_reward_model(
+    first,
+    second,
+    preference,
+    out_path=None,
+    *,
+    epochs: int = 10,
+    batch_size: int = 1024,
+    lr: float = 1e-5,
+    val_fraction: float = 0.2,
+    max_grad_norm: Optional[float] = 10.0,
+    seed: int = 777,
+    device: Union[str, torch.device] = "cpu",
+    model: Optional[MessageRewardModel] = None,
+) -> dict:
+    """Fits a reward model to labelled pairs and writes a Motif checkpoint.
+
+    Defaults follow Motif's README (lr 1e-5, batch 1024, 10 epochs, 80/20 split, seed 777).
+    Pairs whose preference is NaN (unlabelled / failed) are dropped.
+
+    Args:
+        first, second: ``uint8[N, 256]`` pairs.
+        preference: ``float[N]`` P(second better): 0, 1, 0.5 (tie) or NaN.
+        out_path: where to ``torch.save`` the checkpoint (``None``: do not write).
+        epochs, batch_size, lr, val_fraction, max_grad_norm, seed, device: training settings.
+        model: start from this network (a fresh :class:`MessageRewardModel` if ``None``).
+
+    Returns:
+        The checkpoint dict: ``model`` (state dict), ``mean``, ``std``, ``quantile_levels``,
+        ``quantile_values``, ``metrics`` (train/val loss and non-tie accuracy) and ``config``.
+    """
+    first = as_message_tensor(first).reshape(-1, MESSAGE_LEN).cpu()
+    second = as_message_tensor(second).reshape(-1, MESSAGE_LEN).cpu()
+    preference = torch.as_tensor(np.asarray(preference, dtype=np.float32)).reshape(-1)
+    keep = ~torch.isnan(preference)
+    first, second, preference = first[keep], second[keep], preference[keep]
+    n = len(preference)
+    if n < 2:
+        raise ValueError(f"need at least 2 labelled pairs to train, got {n}")
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(seed)
+    if model is None:
+        with torch.random.fork_rng(devices=[]):  # seeded init, global RNG left untouched
+            torch.manual_seed(seed)
+            model = MessageRewardModel()
+    order = torch.randperm(n, generator=generator)
+    n_val = int(round(n * val_fraction)) if val_fraction > 0 else 0
+    n_val = min(n_val, n - 1)
+    val_idx, train_idx = order[:n_val], order[n_val:]
+
+    model = model.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    train_losses = []
+    for _ in range(int(epochs)):
+        model.train()
+        perm = train_idx[torch.randperm(len(train_idx), generator=generator)]
+        for batch in perm.split(batch_size):
+            a, b = first[batch].to(device), second[batch].to(device)
+            y = preference[batch].to(device)
+            scores = model(torch.cat([a, b]))
+            loss = bradley_terry_loss(scores[: len(y)], scores[len(y):], y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            train_losses.append(loss.item())
+
+    def evaluate(idx):
+        if len(idx) == 0:
+            return float("nan"), float("nan")
+        s1 = _scores(model, first[idx], device)
+        s2 = _scores(model, second[idx], device)
+        y = preference[idx]
+        return float(bradley_terry_loss(s1, s2, y)), pairwise_accuracy(s1, s2, y)
+
+    train_loss, train_acc = evaluate(train_idx)
+    val_loss, val_acc = evaluate(val_idx)
+
+    # Normalisation over every training message (frequency-weighted, as Motif's running stats).
+    train_messages = torch.cat([first[train_idx], second[train_idx]])
+    train_scores = _scores(model, train_messages, device).double()
+    mean = float(train_scores.mean())
+    std = float(train_scores.std(unbiased=False)) if len(train_scores) > 1 else 1.0
+    std = max(std, 1e-8)
+    # Quantiles over distinct messages.
+    _, distinct_rows = np.unique(hash_messages(train_messages.numpy()), return_index=True)
+    z_distinct = (train_scores[torch.as_tensor(distinct_rows)] - mean) / std
+    levels = torch.tensor(QUANTILE_LEVELS, dtype=torch.float64)
+    values = torch.quantile(z_distinct, levels)
+
+    checkpoint = {
+        "format": CHECKPOINT_FORMAT,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "mean": mean,
+        "std": std,
+        "quantile_levels": levels.float(),
+        "quantile_values": values.float(),
+        "metrics": {
+            "train_pairs": len(train_idx),
+            "val_pairs": len(val_idx),
+            "train_loss": train_loss,
+            "train_accuracy": train_acc,
+            "val_loss": val_loss,
+            "val_accuracy": val_acc,
+            "last_batch_loss": train_losses[-1] if train_losses else float("nan"),
+        },
+        "config": {"epochs": int(epochs), "batch_size": int(batch_size), "lr": float(lr),
+                   "val_fraction": float(val_fraction), "seed": int(seed)},
+    }
+    if out_path is not None:
+        out_path = Path(out_path)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, out_path)
+    return checkpoint
+
+
+# --- 4. the reward ----------------------------------------------------------------------------
+class MotifReward:
+    """Offline Motif reward from a :func:`train_reward_model` checkpoint.
+
+    ``z = (g(m) - μ)/σ`` and ``R(m) = z · 1[z > q]`` where ``q`` is the checkpoint's quantile
+    of ``z`` at level ``quantile`` (over distinct training messages).
+
+    The network is frozen, so the reward is stateless (no ``state_dict``) and safe to call
+    from several threads.
+
+    Args:
+        checkpoint: a path to a checkpoint, or the dict :func:`train_reward_model` returned.
+        quantile: one of :data:`QUANTILE_LEVELS` (0.05 … 0.95), or ``None`` for no threshold.
+        device: where inference runs.
+        chunk_size: messages per forward pass.
+
+    Raises:
+        ValueError: for a quantile that is not in the table, or a file that is not a
+            checkpoint of this format.
+
+    Example:
+        >>> import numpy as np
+        >>> from torchrl_oni.captions import encode_messages
+        >>> a = encode_messages(["You kill the newt!", "You find gold."] * 4)
+        >>> b = encode_messages(["It's a wall.", "Nothing happens."] * 4)
+        >>> ckpt = train_reward_model(a, b, np.zeros(8), epochs=1, batch_size=8, lr=1e-3)
+        >>> reward = MotifReward(ckpt, quantile=0.5)
+        >>> reward(a[:2], np.zeros(2, dtype=np.int64)).shape
+        torch.Size([2])
+    """
+
+    def __init__(self, checkpoint, quantile: Optional[float] = 0.5, device="cpu",
+                 chunk_size: int = 8192):
+        if not isinstance(checkpoint, dict):
+            path = Path(checkpoint)
+            if not path.is_file():
+                raise ValueError(f"no reward checkpoint at {path}")
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError("not a torchrl_oni Motif reward checkpoint")
+        self.device = torch.device(device)
+        self.chunk_size = int(chunk_size)
+        self.model = MessageRewardModel()
+        self.model.load_state_dict(checkpoint["model"])
+        self.model.to(self.device).eval()
+        self.mean = float(checkpoint["mean"])
+        self.std = float(checkpoint["std"])
+        levels = [round(float(q), 2) for q in checkpoint["quantile_levels"]]
+        self.quantile_table = dict(zip(levels, [float(v) for v in checkpoint["quantile_values"]]))
+        self.quantile = quantile
+        if quantile is None:
+            self.cut = None
+        else:
+            key = round(float(quantile), 2)
+            if key not in self.quantile_table or abs(key - float(quantile)) > 1e-9:
+                valid = ", ".join(f"{q:g}" for q in sorted(self.quantile_table))
+                raise ValueError(f"quantile must be one of {valid} (or None), got {quantile}")
+            self.cut = self.quantile_table[key]
+
+    @torch.no_grad()
+    def normalized_scores(self, messages) -> torch.Tensor:
+        """``z = (g(m) - μ)/σ`` for each message, ``float32[N]``."""
+        messages = as_message_tensor(messages).reshape(-1, MESSAGE_LEN)
+        raw = _scores(self.model, messages, self.device, self.chunk_size)
+        return ((raw.double() - self.mean) / self.std).float()
+
+    def __call__(self, messages, hashes) -> torch.Tensor:
+        """``(uint8[N,256], int64[N]) -> float32[N]``, before count scaling."""
+        z = self.normalized_scores(messages)
+        return z if self.cut is None else threshold_values(z, self.cut)
+
+
+# --- 5. command-line tools --------------------------------------------------------------------
+class _CliError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a single-line error and exit status 2."""
+
+    def error(self, message):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _run_cli(prog: str, build: Callable[[_Parser], None], body, argv) -> int:
+    parser = _Parser(prog=prog, description=build.__doc__)
+    build(parser)
+    args = parser.parse_args(argv)
+    try:
+        body(args)
+    except (_CliError, ValueError, OSError, KeyError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _load_messages(path: str) -> np.ndarray:
+    p = Path(path)
+    if not p.is_file():
+        raise _CliError(f"no such file: {path}")
+    if p.suffix == ".txt":
+        return encode_messages(p.read_text(encoding="latin-1").splitlines())
+    if p.suffix == ".npy":
+        arr = np.load(p, allow_pickle=False)
+    elif p.suffix == ".npz":
+        with np.load(p, allow_pickle=False) as data:
+            key = "message" if "message" in data.files else data.files[0]
+            arr = data[key]
+    else:
+        raise _CliError(f"{path}: expected .npy, .npz (key 'message') or .txt (one caption a line)")
+    if arr.ndim < 2 or arr.shape[-1] != MESSAGE_LEN:
+        raise _CliError(f"{path}: expected messages of shape [..., {MESSAGE_LEN}], got {arr.shape}")
+    return arr.reshape(-1, MESSAGE_LEN).astype(np.uint8)
+
+
+def _load_pairs(path: str) -> Tuple[np.ndarray, np.ndarray]:
+    p = Path(path)
+    if not p.is_file():
+        raise _CliError(f"no such file: {path}")
+    try:
+        with np.load(p, allow_pickle=False) as data:
+            first, second = data["first"], data["second"]
+    except (KeyError, ValueError) as exc:
+        raise _CliError(f"{path}: not a pairs file with 'first' and 'second' arrays") from exc
+    return first.astype(np.uint8), second.astype(np.uint8)
+
+
+def _make_annotator(spec: str, kwargs_json: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise _CliError(f"--annotator must look like 'package.module:Factory', got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise _CliError(f"cannot load annotator {spec!r}: {exc}") from exc
+    try:
+        kwargs = json.loads(kwargs_json) if kwargs_json else {}
+    except json.JSONDecodeError as exc:
+        raise _CliError(f"--annotator-kwargs is not valid JSON: {exc}") from exc
+    if not isinstance(kwargs, dict):
+        raise _CliError("--annotator-kwargs must be a JSON object")
+    annotator = factory(**kwargs)
+    if not callable(getattr(annotator, "compare", None)):
+        raise _CliError(f"{spec} did not build an annotator with a compare() method")
+    return annotator
+
+
+def _collect_args(parser):
+    """Draw pairs of distinct captions from a file of messages (offline Motif, step 1)."""
+    parser.add_argument("messages", help=".npy/.npz uint8[N,256] messages, or .txt one caption a line")
+    parser.add_argument("--out", required=True, help="pairs .npz to write")
+    parser.add_argument("--num-pairs", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--include-empty", action="store_true", help="also pair the empty message")
+
+
+def collect_pairs_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``oni-collect-pairs``."""
+
+    def body(args):
+        if args.num_pairs < 1:
+            raise _CliError("--num-pairs must be at least 1")
+        first, second = collect_pairs(_load_messages(args.messages), args.num_pairs,
+                                      include_empty=args.include_empty, seed=args.seed)
+        _save_npz_atomic(Path(args.out), first=first, second=second)
+        print(f"wrote {len(first)} pairs to {args.out}")
+
+    return _run_cli("oni-collect-pairs", _collect_args, body, argv)
+
+
+def _annotate_args(parser):
+    """Annotate caption pairs with an LLM annotator, chunk by chunk; re-run to resume (step 2)."""
+    parser.add_argument("pairs", help="pairs .npz from oni-collect-pairs")
+    parser.add_argument("--out", required=True, help="annotations .npz (resumed if it exists)")
+    parser.add_argument("--annotator", required=True,
+                        help="'package.module:Factory' building an object with async compare()")
+    parser.add_argument("--annotator-kwargs", default="{}", help="JSON object passed to the factory")
+    parser.add_argument("--chunk-size", type=int, default=100)
+    parser.add_argument("--max-chunks", type=int, default=None)
+    parser.add_argument("--retry-failed", action="store_true")
+
+
+def annotate_pairs_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``oni-annotate-pairs``."""
+
+    def body(args):
+        if args.chunk_size < 1:
+            raise _CliError("--chunk-size must be at least 1")
+        first, second = _load_pairs(args.pairs)
+        annotator = _make_annotator(args.annotator, args.annotator_kwargs)
+
+        async def go():
+            try:
+                return await annotate_pairs_async(
+                    first, second, annotator, args.out, chunk_size=args.chunk_size,
+                    max_chunks=args.max_chunks, retry_failed=args.retry_failed,
+                    on_chunk=lambda done, total: print(f"{done}/{total} pairs done", flush=True),
+                )
+            finally:
+                closer = getattr(annotator, "aclose", None)
+                if closer is not None:
+                    result = closer()
+                    if inspect.isawaitable(result):
+                        await result
+
+        try:
+            state = asyncio.run(go())
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise _CliError(f"{exc or type(exc).__name__}; progress is saved in {args.out}, "
+                            "run again to resume") from exc
+        status = state["status"]
+        print(f"labelled {int((status == LABELLED).sum())}, tied without a call "
+              f"{int((status == AUTO_TIE).sum())}, failed {int((status == FAILED).sum())}, "
+              f"pending {int((status == PENDING).sum())} -> {args.out}")
+
+    return _run_cli("oni-annotate-pairs", _annotate_args, body, argv)
+
+
+def _train_args(parser):
+    """Fit a reward model to annotated pairs and write a Motif checkpoint (step 3)."""
+    parser.add_argument("pairs", help="pairs .npz from oni-collect-pairs")
+    parser.add_argument("annotations", help="annotations .npz from oni-annotate-pairs")
+    parser.add_argument("--out", required=True, help="checkpoint .pt to write")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--val-fraction", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=777)
+    parser.add_argument("--device", default="cpu")
+
+
+def train_reward_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``oni-train-reward``."""
+
+    def body(args):
+        if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
+            raise _CliError("--epochs and --batch-size must be at least 1 and --lr positive")
+        if not 0 <= args.val_fraction < 1:
+            raise _CliError("--val-fraction must be in [0, 1)")
+        first, second = _load_pairs(args.pairs)
+        state = load_annotations(args.annotations)
+        if state["fingerprint"] != _fingerprint(first, second):
+            raise _CliError(f"{args.annotations} was made for other pairs than {args.pairs}")
+        ckpt = train_reward_model(first, second, state["preference"], args.out,
+                                  epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                                  val_fraction=args.val_fraction, seed=args.seed,
+                                  device=args.device)
+        m = ckpt["metrics"]
+        print(f"train pairs {m['train_pairs']}, val pairs {m['val_pairs']}, "
+              f"val loss {m['val_loss']:.4f}, val accuracy {m['val_accuracy']:.3f} -> {args.out}")
+
+    return _run_cli("oni-train-reward", _train_args, body, argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m torchrl_oni.rewards.motif {collect,annotate,train} ...``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"collect": collect_pairs_main, "annotate": annotate_pairs_main,
+                "train": train_reward_main}
+    if not argv or argv[0] not in commands:
+        print("usage: python -m torchrl_oni.rewards.motif {collect,annotate,train} ...",
+              file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

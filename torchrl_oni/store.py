@@ -1,0 +1,932 @@
+"""CaptionStore: every unique caption seen, its LLM label, and the pairs sent for ranking.
+
+One row per UNIQUE caption, held as fixed-width tensors in a TorchRL
+:class:`~torchrl.data.TensorDictReplayBuffer` (over :class:`~torchrl.data.LazyTensorStorage`
+by default, or :class:`~torchrl.data.LazyMemmapStorage` to keep it on disk):
+
+========================  ==============  ==================================================
+field                     dtype / shape   meaning
+========================  ==============  ==================================================
+``message``               uint8[256]      the NUL-padded caption bytes
+``caption_hash``          int64           :func:`torchrl_oni.captions.caption_hash`
+``label``                 float32         the annotator's label, NaN while unlabelled
+``score``                 float32         the annotator's probability, NaN if it gave none
+``status``                int8            0 unseen, 1 pending, 2 labelled, 3 failed
+``times_seen``            int64           how many steps showed this caption
+``attempts``              int16           failed annotation attempts so far
+``provenance``            int16           id into :attr:`CaptionStore.provenances`, -1 none
+========================  ==============  ==================================================
+
+No Python strings live in the TorchRL storage: strings there cost O(capacity) per write and do
+not survive a save/load. Provenances are a small table beside the storage.
+
+A hash→slot index (two sorted int64 runs searched with :func:`numpy.searchsorted`) makes
+``add`` and ``lookup`` vectorised over a whole collector batch. A single lock makes the store
+safe to share between the trainer (``add``/``lookup``) and an annotation thread
+(``claim``/``set_labels``/``mark_failed``).
+
+Life of a caption: ``add`` → unseen → ``claim`` → pending → ``set_labels`` → labelled, or
+``mark_failed`` → unseen again after a backoff (retryable) → ... → failed after
+``max_attempts``. ``release_pending`` (and :meth:`CaptionStore.load`) send pending captions
+back to unseen so no caption is lost when a run stops mid-annotation.
+
+Example:
+    >>> import torch
+    >>> from torchrl_oni.captions import encode_messages, hash_messages
+    >>> from torchrl_oni.annotators.base import Provenance
+    >>> from torchrl_oni.store import CaptionStore
+    >>> store = CaptionStore(capacity=16)
+    >>> msgs = encode_messages(["You kill the newt!", "It's a wall.", "You kill the newt!"])
+    >>> store.add(msgs, hash_messages(msgs)).tolist()
+    [True, True, False]
+    >>> hashes, texts = store.claim(10)
+    >>> texts
+    ['You kill the newt!', "It's a wall."]
+    >>> store.set_labels(hashes, [1.0, 0.0], Provenance("scripted")).tolist()
+    [True, True]
+    >>> labels, found = store.lookup(torch.as_tensor(hash_messages(msgs)))
+    >>> labels.tolist(), found.tolist()
+    ([1.0, 0.0, 1.0], [True, True, True])
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import astuple
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer
+
+from torchrl_oni.annotators.base import Provenance
+from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_messages, hash_messages
+
+__all__ = ["CaptionStore", "UNSEEN", "PENDING", "LABELLED", "FAILED"]
+
+UNSEEN, PENDING, LABELLED, FAILED = 0, 1, 2, 3
+STATUS_NAMES = {UNSEEN: "unseen", PENDING: "pending", LABELLED: "labelled", FAILED: "failed"}
+
+_FORMAT = "torchrl_oni.CaptionStore"
+_VERSION = 1
+
+# name -> (dtype, per-row shape, fill value of a fresh row)
+_CAPTION_FIELDS = {
+    MESSAGE_KEY: (torch.uint8, (MESSAGE_LEN,), 0),
+    CAPTION_HASH_KEY: (torch.int64, (), 0),
+    "label": (torch.float32, (), float("nan")),
+    "score": (torch.float32, (), float("nan")),
+    "status": (torch.int8, (), UNSEEN),
+    "times_seen": (torch.int64, (), 0),
+    "attempts": (torch.int16, (), 0),
+    "provenance": (torch.int16, (), -1),
+}
+# A pair refers to two caption slots; preference is P(second is better), NaN while unlabelled.
+_PAIR_FIELDS = {
+    "slot_a": (torch.int64, (), 0),
+    "slot_b": (torch.int64, (), 0),
+    "preference": (torch.float32, (), float("nan")),
+    "status": (torch.int8, (), UNSEEN),
+    "attempts": (torch.int16, (), 0),
+    "provenance": (torch.int16, (), -1),
+}
+
+ArrayLike = Union[torch.Tensor, np.ndarray, Sequence]
+
+
+def _to_numpy(x: ArrayLike, dtype) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+def _shape_of(x: ArrayLike) -> Tuple[int, ...]:
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return tuple(x.shape)
+    return np.shape(x)
+
+
+class _HashIndex:
+    """hash → slot as two sorted runs: a big ``main`` and a small ``delta`` merged into it.
+
+    Inserting into the small run keeps ``add`` cheap on a large store (no O(N) copy per
+    batch); the runs are merged once the delta reaches ``merge_at`` entries.
+    """
+
+    def __init__(self, merge_at: int = 65536):
+        self.merge_at = merge_at
+        empty = np.empty(0, dtype=np.int64)
+        self._main_h, self._main_s = empty, empty
+        self._delta_h, self._delta_s = empty, empty
+
+    def __len__(self) -> int:
+        return len(self._main_h) + len(self._delta_h)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self._main_h, self._main_s, self._delta_h, self._delta_s))
+
+    @classmethod
+    def from_arrays(cls, hashes: np.ndarray, slots: np.ndarray, merge_at: int = 65536) -> "_HashIndex":
+        index = cls(merge_at)
+        order = np.argsort(hashes, kind="stable")
+        index._main_h = np.ascontiguousarray(hashes[order], dtype=np.int64)
+        index._main_s = np.ascontiguousarray(slots[order], dtype=np.int64)
+        return index
+
+    def find(self, queries: np.ndarray) -> np.ndarray:
+        """Slots of ``queries`` (1-D int64), -1 where absent. Sorted queries search fastest."""
+        out = np.full(len(queries), -1, dtype=np.int64)
+        for run_h, run_s in ((self._main_h, self._main_s), (self._delta_h, self._delta_s)):
+            if len(run_h) == 0 or len(queries) == 0:
+                continue
+            pos = np.searchsorted(run_h, queries)
+            np.minimum(pos, len(run_h) - 1, out=pos)
+            hit = run_h[pos] == queries
+            out[hit] = run_s[pos[hit]]
+        return out
+
+    def insert(self, hashes: np.ndarray, slots: np.ndarray) -> None:
+        """Adds hashes that are not in the index yet (unique)."""
+        if len(hashes) == 0:
+            return
+        order = np.argsort(hashes, kind="stable")
+        hashes, slots = hashes[order], slots[order]
+        pos = np.searchsorted(self._delta_h, hashes)
+        self._delta_h = np.insert(self._delta_h, pos, hashes)
+        self._delta_s = np.insert(self._delta_s, pos, slots)
+        if len(self._delta_h) >= self.merge_at:
+            pos = np.searchsorted(self._main_h, self._delta_h)
+            self._main_h = np.insert(self._main_h, pos, self._delta_h)
+            self._main_s = np.insert(self._main_s, pos, self._delta_s)
+            self._delta_h = self._delta_h[:0]
+            self._delta_s = self._delta_s[:0]
+
+
+class _Table:
+    """Fixed-width rows in a TensorDictReplayBuffer, appended in order and updated in place.
+
+    Rows are never evicted: when the buffer is full it is replaced by one twice as large (a
+    copy; peak memory is briefly 3x the old table).
+    """
+
+    def __init__(self, fields: dict, capacity: int, storage: str, scratch_dir: Optional[str], name: str):
+        if storage not in ("tensor", "memmap"):
+            raise ValueError(f"storage must be 'tensor' or 'memmap', got {storage!r}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.fields = fields
+        self.storage_kind = storage
+        self.scratch_dir = scratch_dir
+        self.name = name
+        self.size = 0
+        self._generation = 0
+        self._build(int(capacity))
+
+    def _row_template(self, n: int) -> TensorDict:
+        data = {}
+        for key, (dtype, shape, fill) in self.fields.items():
+            data[key] = torch.full((n, *shape), fill, dtype=dtype)
+        return TensorDict(data, batch_size=[n])
+
+    def _build(self, capacity: int) -> None:
+        if self.storage_kind == "memmap":
+            scratch = None
+            if self.scratch_dir is not None:
+                scratch = os.path.join(self.scratch_dir, f"{self.name}-{self._generation}")
+            storage = LazyMemmapStorage(capacity, scratch_dir=scratch)
+        else:
+            storage = LazyTensorStorage(capacity)
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=1)
+        # One write allocates every column at full capacity; empty() keeps the allocation, so
+        # the numpy views below stay valid for the life of this buffer.
+        rb.extend(self._row_template(1))
+        rb.empty()
+        self.rb = rb
+        self.capacity = capacity
+        # The storage's TensorDict: TorchRL offers no public per-column view, and lookups must
+        # read/write single fields at arbitrary slots without materialising whole rows.
+        columns = rb.storage._storage
+        self.cols: Dict[str, np.ndarray] = {k: columns.get(k).numpy() for k in self.fields}
+
+    def ensure_room(self, n_new: int) -> None:
+        if self.size + n_new <= self.capacity:
+            return
+        new_capacity = max(2 * self.capacity, self.size + n_new)
+        old_rows = self.rows(np.arange(self.size))
+        old_scratch = None
+        if self.storage_kind == "memmap" and self.scratch_dir is not None:
+            old_scratch = os.path.join(self.scratch_dir, f"{self.name}-{self._generation}")
+        self._generation += 1
+        self._build(new_capacity)
+        if self.size:
+            self.rb.extend(old_rows)
+        if old_scratch is not None:
+            shutil.rmtree(old_scratch, ignore_errors=True)
+
+    def append(self, values: Dict[str, np.ndarray], n: int) -> np.ndarray:
+        """Appends ``n`` rows (missing fields take their fill value); returns their slots."""
+        self.ensure_room(n)
+        rows = self._row_template(n)
+        for key, value in values.items():
+            dtype = self.fields[key][0]
+            rows.set(key, torch.as_tensor(value, dtype=dtype).reshape(rows.get(key).shape))
+        slots = self.rb.extend(rows)
+        self.size += n
+        return _to_numpy(slots, np.int64)
+
+    def rows(self, slots: np.ndarray) -> TensorDict:
+        """A copy of the given rows as a TensorDict (torch tensors, batch ``[len(slots)]``)."""
+        data = {k: torch.from_numpy(np.array(self.cols[k][slots])) for k in self.fields}
+        return TensorDict(data, batch_size=[len(slots)])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(col.nbytes for col in self.cols.values())
+
+
+class CaptionStore:
+    """The set of unique captions, their labels, and pairs of captions to rank.
+
+    Args:
+        capacity (int): initial number of caption rows. The store doubles when full, so this is
+            a sizing hint (each row costs 285 bytes plus 16 bytes of index). Default 65536.
+        storage (str): ``"tensor"`` (RAM, :class:`~torchrl.data.LazyTensorStorage`) or
+            ``"memmap"`` (:class:`~torchrl.data.LazyMemmapStorage`). Default ``"tensor"``.
+        scratch_dir (str, optional): folder for the memmap files (memmap only; a temporary
+            folder cleaned at exit when omitted).
+        max_attempts (int): failed attempts after which a caption is given up (status failed).
+        retry_backoff_s (float): a caption that failed ``k`` times is retried after
+            ``retry_backoff_s * 2 ** (k - 1)`` seconds (capped at 1 hour).
+        claim_order (str): which unseen captions :meth:`claim` hands out first:
+            ``"most_seen"`` (default: the captions covering most steps are labelled first, ties
+            oldest-first) or ``"oldest"`` (insertion order).
+        pair_capacity (int): initial number of pair rows (doubles when full).
+
+    Example:
+        >>> from torchrl_oni.captions import encode_messages, hash_messages
+        >>> from torchrl_oni.store import CaptionStore
+        >>> store = CaptionStore(capacity=8)
+        >>> msgs = encode_messages(["a", "b"])
+        >>> store.add(msgs, hash_messages(msgs)).tolist()
+        [True, True]
+        >>> len(store), store.stats()["unseen"]
+        (2, 2)
+    """
+
+    def __init__(
+        self,
+        capacity: int = 65536,
+        *,
+        storage: str = "tensor",
+        scratch_dir: Optional[str] = None,
+        max_attempts: int = 3,
+        retry_backoff_s: float = 30.0,
+        claim_order: str = "most_seen",
+        pair_capacity: int = 4096,
+    ):
+        if claim_order not in ("most_seen", "oldest"):
+            raise ValueError(f"claim_order must be 'most_seen' or 'oldest', got {claim_order!r}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.storage_kind = storage
+        self.scratch_dir = scratch_dir
+        self.max_attempts = int(max_attempts)
+        self.retry_backoff_s = float(retry_backoff_s)
+        self.claim_order = claim_order
+        self._lock = threading.RLock()
+        self._captions = _Table(_CAPTION_FIELDS, capacity, storage, scratch_dir, "captions")
+        self._pairs = _Table(_PAIR_FIELDS, pair_capacity, storage, scratch_dir, "pairs")
+        self._index = _HashIndex()
+        self._pair_index: Dict[Tuple[int, int], int] = {}
+        self._provenances: List[Provenance] = []
+        self._provenance_ids: Dict[Provenance, int] = {}
+        # slot -> monotonic time before which a failed caption is not handed out again.
+        self._retry_at: Dict[int, float] = {}
+        self._pair_retry_at: Dict[int, float] = {}
+        self.error_counts: Dict[str, int] = {}
+
+    # ------------------------------------------------------------------ basics
+    def __len__(self) -> int:
+        return self._captions.size
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(size={len(self)}, capacity={self._captions.capacity}, "
+            f"storage={self.storage_kind!r}, pairs={self._pairs.size})"
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self._captions.capacity
+
+    @property
+    def provenances(self) -> List[Provenance]:
+        """The provenance table; a row's ``provenance`` field indexes it."""
+        return list(self._provenances)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The store's lock, for callers that need several calls to be atomic."""
+        return self._lock
+
+    def nbytes(self) -> int:
+        """Bytes held by the storage tensors (allocated capacity) and the hash index."""
+        with self._lock:
+            return self._captions.nbytes + self._pairs.nbytes + self._index.nbytes
+
+    def _provenance_id(self, provenance: Provenance) -> int:
+        if not isinstance(provenance, Provenance):
+            raise TypeError(f"provenance must be a Provenance, got {type(provenance).__name__}")
+        pid = self._provenance_ids.get(provenance)
+        if pid is None:
+            pid = len(self._provenances)
+            if pid > np.iinfo(np.int16).max:
+                raise ValueError("too many distinct provenances (max 32767) in one CaptionStore")
+            self._provenances.append(provenance)
+            self._provenance_ids[provenance] = pid
+        return pid
+
+    def _provenance_ids_for(self, provenance, n: int) -> np.ndarray:
+        if isinstance(provenance, Provenance):
+            return np.full(n, self._provenance_id(provenance), dtype=np.int16)
+        if isinstance(provenance, (str, bytes)) or not hasattr(provenance, "__iter__"):
+            raise TypeError(f"provenance must be a Provenance or a sequence of them, got {type(provenance).__name__}")
+        provenance = list(provenance)
+        if len(provenance) != n:
+            raise ValueError(f"got {len(provenance)} provenances for {n} items")
+        return np.array([self._provenance_id(p) for p in provenance], dtype=np.int16)
+
+    # ------------------------------------------------------------------ captions
+    def add(self, messages: ArrayLike, hashes: Optional[ArrayLike] = None) -> torch.Tensor:
+        """Records a batch of captions as seen.
+
+        Args:
+            messages: ``uint8[..., 256]`` caption bytes (torch or numpy).
+            hashes: their ``int64[...]`` caption hashes (``[..., 1]`` also accepted); computed
+                from the messages when omitted (slower).
+
+        Returns:
+            a BoolTensor shaped like ``hashes``: True at the first occurrence of each caption
+            that was not in the store. Every occurrence increments ``times_seen``.
+        """
+        msgs = _to_numpy(messages, np.uint8)
+        if msgs.ndim == 0 or msgs.shape[-1] != MESSAGE_LEN:
+            raise ValueError(f"messages must be uint8[..., {MESSAGE_LEN}], got shape {tuple(msgs.shape)}")
+        msgs = msgs.reshape(-1, MESSAGE_LEN)
+        if hashes is None:
+            hashes = hash_messages(msgs)
+        out_shape = _shape_of(hashes)
+        flat = _to_numpy(hashes, np.int64).reshape(-1)
+        if len(flat) != len(msgs):
+            raise ValueError(f"got {len(msgs)} messages but {len(flat)} hashes")
+        new_mask = np.zeros(len(flat), dtype=bool)
+        if len(flat) == 0:
+            return torch.from_numpy(new_mask).reshape(out_shape)
+        uniq, first, counts = np.unique(flat, return_index=True, return_counts=True)
+        with self._lock:
+            slots = self._index.find(uniq)
+            known = slots >= 0
+            if known.any():
+                self._captions.cols["times_seen"][slots[known]] += counts[known]
+            new = np.flatnonzero(~known)
+            if len(new):
+                # Slots follow first appearance in the batch, so slot order is "oldest first".
+                new = new[np.argsort(first[new], kind="stable")]
+                rows = first[new]
+                new_slots = self._captions.append(
+                    {MESSAGE_KEY: msgs[rows], CAPTION_HASH_KEY: uniq[new], "times_seen": counts[new]},
+                    len(new),
+                )
+                self._index.insert(uniq[new], new_slots)
+                new_mask[rows] = True
+        return torch.from_numpy(new_mask).reshape(out_shape)
+
+    def slots(self, hashes: ArrayLike) -> torch.Tensor:
+        """Row slots of ``hashes`` (any shape), -1 where a caption is not in the store."""
+        shape = _shape_of(hashes)
+        flat = _to_numpy(hashes, np.int64).reshape(-1)
+        with self._lock:
+            return torch.from_numpy(self._index.find(flat)).reshape(shape)
+
+    def lookup(self, hashes: ArrayLike, default: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Labels of a batch of hashes (any shape).
+
+        Returns:
+            ``(labels float32, found bool)`` shaped like ``hashes``. ``found`` is True where the
+            caption is labelled; ``labels`` holds ``default`` elsewhere (0.0, ONI-Retrieval's
+            reward for a caption without a label).
+        """
+        shape = _shape_of(hashes)
+        flat = _to_numpy(hashes, np.int64).reshape(-1)
+        # Few distinct captions per batch: search each once, in sorted order (cache friendly).
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        labels = np.full(len(uniq), default, dtype=np.float32)
+        found = np.zeros(len(uniq), dtype=bool)
+        with self._lock:
+            slots = self._index.find(uniq)
+            known = slots >= 0
+            s = slots[known]
+            is_labelled = self._captions.cols["status"][s] == LABELLED
+            values = self._captions.cols["label"][s]
+        found[known] = is_labelled
+        labels[known] = np.where(is_labelled, values, np.float32(default))
+        return (
+            torch.from_numpy(labels[inverse]).reshape(shape),
+            torch.from_numpy(found[inverse]).reshape(shape),
+        )
+
+    def scores(self, hashes: ArrayLike) -> torch.Tensor:
+        """The annotator's probabilities for ``hashes`` (NaN where none), shaped like ``hashes``."""
+        shape = _shape_of(hashes)
+        flat = _to_numpy(hashes, np.int64).reshape(-1)
+        out = np.full(len(flat), np.nan, dtype=np.float32)
+        with self._lock:
+            slots = self._index.find(flat)
+            known = slots >= 0
+            s = slots[known]
+            ok = self._captions.cols["status"][s] == LABELLED
+            out[np.flatnonzero(known)[ok]] = self._captions.cols["score"][s[ok]]
+        return torch.from_numpy(out).reshape(shape)
+
+    def _retry_blocked(self, retry_at: Dict[int, float]) -> np.ndarray:
+        if not retry_at:
+            return np.empty(0, dtype=np.int64)
+        now = time.monotonic()
+        for slot in [k for k, t in retry_at.items() if t <= now]:
+            del retry_at[slot]
+        return np.fromiter(retry_at.keys(), dtype=np.int64, count=len(retry_at))
+
+    def claim(self, max_items: int) -> Tuple[torch.Tensor, List[str]]:
+        """Hands out up to ``max_items`` captions to annotate and marks them pending.
+
+        Candidates are unseen captions, including failed ones whose retry backoff has passed.
+        With ``claim_order="most_seen"`` the most frequently seen come first (ties: oldest
+        first); with ``"oldest"``, insertion order.
+
+        Returns:
+            ``(hashes LongTensor[n], texts list[str])`` (texts decoded latin-1, NULs dropped).
+        """
+        max_items = max(int(max_items), 0)
+        with self._lock:
+            cols = self._captions.cols
+            n = self._captions.size
+            cand = np.flatnonzero(cols["status"][:n] == UNSEEN)
+            blocked = self._retry_blocked(self._retry_at)
+            if len(blocked) and len(cand):
+                cand = cand[~np.isin(cand, blocked)]
+            if max_items < len(cand):
+                if self.claim_order == "most_seen":
+                    # lexsort: last key is primary -> by -times_seen, then by slot (oldest).
+                    order = np.lexsort((cand, -cols["times_seen"][cand]))
+                    cand = cand[order[:max_items]]
+                else:
+                    cand = cand[:max_items]
+            elif self.claim_order == "most_seen" and len(cand):
+                cand = cand[np.lexsort((cand, -cols["times_seen"][cand]))]
+            cols["status"][cand] = PENDING
+            hashes = np.array(cols[CAPTION_HASH_KEY][cand])
+            messages = np.array(cols[MESSAGE_KEY][cand])
+        return torch.from_numpy(hashes), decode_messages(messages)
+
+    def pending(self) -> torch.Tensor:
+        """Hashes of the captions claimed but not yet labelled or failed."""
+        with self._lock:
+            n = self._captions.size
+            cols = self._captions.cols
+            return torch.from_numpy(np.array(cols[CAPTION_HASH_KEY][:n][cols["status"][:n] == PENDING]))
+
+    def set_labels(
+        self,
+        hashes: ArrayLike,
+        labels: ArrayLike,
+        provenance: Union[Provenance, Sequence[Provenance]],
+        scores: Optional[ArrayLike] = None,
+    ) -> torch.Tensor:
+        """Stores labels (a later label overwrites an earlier one).
+
+        Args:
+            hashes: caption hashes (any shape).
+            labels: one finite label per hash (1.0 progress, 0.0 not; soft labels allowed).
+            provenance: one :class:`Provenance` for all, or one per hash.
+            scores: optional annotator probabilities (NaN where none).
+
+        Returns:
+            a BoolTensor shaped like ``hashes``: False for hashes not in the store (ignored).
+        """
+        shape = _shape_of(hashes)
+        flat = _to_numpy(hashes, np.int64).reshape(-1)
+        values = np.broadcast_to(_to_numpy(labels, np.float32).reshape(-1), flat.shape)
+        if not np.isfinite(values).all():
+            raise ValueError("set_labels: labels must be finite (use mark_failed for failures)")
+        if scores is None:
+            score_values = np.full(len(flat), np.nan, dtype=np.float32)
+        else:
+            score_values = np.broadcast_to(_to_numpy(scores, np.float32).reshape(-1), flat.shape)
+        with self._lock:
+            pids = self._provenance_ids_for(provenance, len(flat))
+            slots = self._index.find(flat)
+            known = slots >= 0
+            s = slots[known]
+            cols = self._captions.cols
+            cols["label"][s] = values[known]
+            cols["score"][s] = score_values[known]
+            cols["status"][s] = LABELLED
+            cols["provenance"][s] = pids[known]
+            if self._retry_at:
+                for slot in s.tolist():
+                    self._retry_at.pop(slot, None)
+        return torch.from_numpy(known).reshape(shape)
+
+    def _backoff(self, attempts: np.ndarray) -> np.ndarray:
+        return np.minimum(self.retry_backoff_s * 2.0 ** (attempts.astype(np.float64) - 1), 3600.0)
+
+    def mark_failed(self, hashes: ArrayLike, error_kind: str = "error") -> torch.Tensor:
+        """Records a failed annotation attempt.
+
+        The caption goes back to unseen, retryable after a backoff, or to failed once it has
+        failed ``max_attempts`` times. Labelled captions are left alone (a late failure never
+        erases a label).
+
+        Returns:
+            a BoolTensor shaped like ``hashes``: True where the caption was given up (failed).
+        """
+        shape = _shape_of(hashes)
+        flat = _to_numpy(hashes, np.int64).reshape(-1)
+        gave_up = np.zeros(len(flat), dtype=bool)
+        with self._lock:
+            cols = self._captions.cols
+            slots = self._index.find(flat)
+            idx = np.flatnonzero(slots >= 0)
+            idx = idx[cols["status"][slots[idx]] != LABELLED]
+            s = slots[idx]
+            self.error_counts[error_kind] = self.error_counts.get(error_kind, 0) + len(s)
+            cols["attempts"][s] += 1
+            attempts = cols["attempts"][s]
+            give_up = attempts >= self.max_attempts
+            cols["status"][s[give_up]] = FAILED
+            cols["status"][s[~give_up]] = UNSEEN
+            now = time.monotonic()
+            for slot, delay in zip(s[~give_up].tolist(), self._backoff(attempts[~give_up]).tolist()):
+                self._retry_at[slot] = now + delay
+            gave_up[idx[give_up]] = True
+        return torch.from_numpy(gave_up).reshape(shape)
+
+    def retry_failed(self) -> int:
+        """Makes every given-up caption unseen again with a fresh attempt count; returns how many."""
+        with self._lock:
+            cols = self._captions.cols
+            n = self._captions.size
+            failed = np.flatnonzero(cols["status"][:n] == FAILED)
+            cols["status"][failed] = UNSEEN
+            cols["attempts"][failed] = 0
+            return len(failed)
+
+    def release(self, hashes: ArrayLike) -> int:
+        """Sends the given pending captions back to unseen (work that was claimed but dropped)."""
+        flat = _to_numpy(hashes, np.int64).reshape(-1)
+        with self._lock:
+            slots = self._index.find(flat)
+            s = slots[slots >= 0]
+            status = self._captions.cols["status"]
+            s = s[status[s] == PENDING]
+            status[s] = UNSEEN
+            return len(s)
+
+    def release_pairs(self, pair_slots: ArrayLike) -> int:
+        """Sends the given pending pairs back to unseen."""
+        with self._lock:
+            s = self._check_pair_slots(pair_slots)
+            status = self._pairs.cols["status"]
+            s = s[status[s] == PENDING]
+            status[s] = UNSEEN
+            return len(s)
+
+    def release_pending(self) -> int:
+        """Sends pending captions and pairs back to unseen (at load, on shutdown); returns how many."""
+        with self._lock:
+            released = 0
+            for table in (self._captions, self._pairs):
+                status = table.cols["status"][: table.size]
+                pending = status == PENDING
+                released += int(pending.sum())
+                status[pending] = UNSEEN
+            return released
+
+    def labelled_data(self) -> TensorDict:
+        """Every labelled caption: ``message``, ``caption_hash``, ``label``, ``score``, ``times_seen``."""
+        with self._lock:
+            n = self._captions.size
+            slots = np.flatnonzero(self._captions.cols["status"][:n] == LABELLED)
+            rows = self._captions.rows(slots)
+        return rows.select(MESSAGE_KEY, CAPTION_HASH_KEY, "label", "score", "times_seen")
+
+    def sample_labelled(self, batch_size: int, generator: Optional[np.random.Generator] = None) -> TensorDict:
+        """A uniform sample (with replacement) of labelled captions; empty batch when none."""
+        rng = generator if generator is not None else np.random.default_rng()
+        with self._lock:
+            n = self._captions.size
+            slots = np.flatnonzero(self._captions.cols["status"][:n] == LABELLED)
+            picked = slots[rng.integers(0, len(slots), batch_size)] if len(slots) else slots
+            rows = self._captions.rows(picked)
+        return rows.select(MESSAGE_KEY, CAPTION_HASH_KEY, "label", "score", "times_seen")
+
+    # ------------------------------------------------------------------ pairs
+    def add_pairs(self, hash_a: ArrayLike, hash_b: ArrayLike) -> torch.Tensor:
+        """Queues pairs of (already added) captions for ranking; returns their pair slots.
+
+        A pair added twice (same order) keeps its slot and its label: it is not paid for twice.
+        """
+        fa = _to_numpy(hash_a, np.int64).reshape(-1)
+        fb = _to_numpy(hash_b, np.int64).reshape(-1)
+        if len(fa) != len(fb):
+            raise ValueError(f"add_pairs: got {len(fa)} first and {len(fb)} second hashes")
+        with self._lock:
+            sa, sb = self._index.find(fa), self._index.find(fb)
+            missing = int((sa < 0).sum() + (sb < 0).sum())
+            if missing:
+                raise ValueError(f"add_pairs: {missing} hashes are not in the store; add() the captions first")
+            out = np.empty(len(fa), dtype=np.int64)
+            new_pos, new_a, new_b, new_keys = [], [], [], {}
+            for i, key in enumerate(zip(sa.tolist(), sb.tolist())):
+                slot = self._pair_index.get(key)
+                if slot is None:
+                    slot = new_keys.get(key)
+                    if slot is None:
+                        slot = -1 - len(new_a)  # placeholder, resolved below
+                        new_keys[key] = slot
+                        new_a.append(key[0])
+                        new_b.append(key[1])
+                out[i] = slot
+                if slot < 0:
+                    new_pos.append(i)
+            if new_a:
+                slots = self._pairs.append(
+                    {"slot_a": np.array(new_a, dtype=np.int64), "slot_b": np.array(new_b, dtype=np.int64)},
+                    len(new_a),
+                )
+                for key, placeholder in new_keys.items():
+                    self._pair_index[key] = int(slots[-1 - placeholder])
+                new_pos = np.array(new_pos, dtype=np.int64)
+                out[new_pos] = slots[-1 - out[new_pos]]
+        return torch.from_numpy(out)
+
+    def claim_pairs(self, max_items: int) -> Tuple[torch.Tensor, List[Tuple[str, str]]]:
+        """Hands out up to ``max_items`` unseen pairs (oldest first) and marks them pending.
+
+        Returns:
+            ``(pair_slots LongTensor[n], [(text_a, text_b), ...])``.
+        """
+        max_items = max(int(max_items), 0)
+        with self._lock:
+            cols = self._pairs.cols
+            n = self._pairs.size
+            cand = np.flatnonzero(cols["status"][:n] == UNSEEN)
+            blocked = self._retry_blocked(self._pair_retry_at)
+            if len(blocked) and len(cand):
+                cand = cand[~np.isin(cand, blocked)]
+            cand = cand[:max_items]
+            cols["status"][cand] = PENDING
+            msgs = self._captions.cols[MESSAGE_KEY]
+            texts_a = decode_messages(np.array(msgs[cols["slot_a"][cand]]))
+            texts_b = decode_messages(np.array(msgs[cols["slot_b"][cand]]))
+        return torch.from_numpy(cand.astype(np.int64)), list(zip(texts_a, texts_b))
+
+    def _check_pair_slots(self, pair_slots: ArrayLike) -> np.ndarray:
+        s = _to_numpy(pair_slots, np.int64).reshape(-1)
+        if len(s) and (s.min() < 0 or s.max() >= self._pairs.size):
+            raise ValueError(f"pair slots must be in [0, {self._pairs.size}), got {s.min()}..{s.max()}")
+        return s
+
+    def set_preferences(
+        self,
+        pair_slots: ArrayLike,
+        preferences: ArrayLike,
+        provenance: Union[Provenance, Sequence[Provenance]],
+    ) -> None:
+        """Stores preferences: P(second is better), 0.0 first better, 1.0 second, 0.5 tie."""
+        values = _to_numpy(preferences, np.float32).reshape(-1)
+        with self._lock:
+            s = self._check_pair_slots(pair_slots)
+            values = np.broadcast_to(values, s.shape)
+            if not ((values >= 0) & (values <= 1)).all():
+                raise ValueError("set_preferences: preferences must be in [0, 1]")
+            pids = self._provenance_ids_for(provenance, len(s))
+            cols = self._pairs.cols
+            cols["preference"][s] = values
+            cols["status"][s] = LABELLED
+            cols["provenance"][s] = pids
+            for slot in s.tolist():
+                self._pair_retry_at.pop(slot, None)
+
+    def mark_pairs_failed(self, pair_slots: ArrayLike, error_kind: str = "error") -> None:
+        """Like :meth:`mark_failed`, for pairs."""
+        with self._lock:
+            s = self._check_pair_slots(pair_slots)
+            cols = self._pairs.cols
+            s = s[cols["status"][s] != LABELLED]
+            self.error_counts[error_kind] = self.error_counts.get(error_kind, 0) + len(s)
+            cols["attempts"][s] += 1
+            attempts = cols["attempts"][s]
+            give_up = attempts >= self.max_attempts
+            cols["status"][s[give_up]] = FAILED
+            cols["status"][s[~give_up]] = UNSEEN
+            now = time.monotonic()
+            for slot, delay in zip(s[~give_up].tolist(), self._backoff(attempts[~give_up]).tolist()):
+                self._pair_retry_at[slot] = now + delay
+
+    def pending_pairs(self) -> torch.Tensor:
+        """Slots of the pairs claimed but not yet answered."""
+        with self._lock:
+            n = self._pairs.size
+            return torch.from_numpy(np.flatnonzero(self._pairs.cols["status"][:n] == PENDING))
+
+    def sample_labelled_pairs(self, batch_size: int, generator: Optional[np.random.Generator] = None) -> TensorDict:
+        """A uniform sample (with replacement) of labelled pairs; an empty batch when none.
+
+        Returns:
+            a TensorDict ``[batch_size]`` with ``message_a``/``message_b`` (uint8[256]),
+            ``caption_hash_a``/``caption_hash_b`` and ``preference`` (P(second is better)).
+        """
+        rng = generator if generator is not None else np.random.default_rng()
+        with self._lock:
+            pcols = self._pairs.cols
+            labelled = np.flatnonzero(pcols["status"][: self._pairs.size] == LABELLED)
+            picked = labelled[rng.integers(0, len(labelled), batch_size)] if len(labelled) else labelled
+            sa, sb = pcols["slot_a"][picked], pcols["slot_b"][picked]
+            ccols = self._captions.cols
+            data = {
+                "message_a": np.array(ccols[MESSAGE_KEY][sa]),
+                "message_b": np.array(ccols[MESSAGE_KEY][sb]),
+                "caption_hash_a": np.array(ccols[CAPTION_HASH_KEY][sa]),
+                "caption_hash_b": np.array(ccols[CAPTION_HASH_KEY][sb]),
+                "preference": np.array(pcols["preference"][picked]),
+            }
+        return TensorDict({k: torch.from_numpy(v) for k, v in data.items()}, batch_size=[len(picked)])
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> Dict[str, float]:
+        """Counts and coverage.
+
+        Keys: ``size``, ``capacity``, ``unseen``, ``pending``, ``labelled``, ``failed`` (given up),
+        ``retrying`` (unseen after a failure), ``positives`` (labelled with label >= 0.5),
+        ``labelled_fraction`` (labelled / size), ``seen_coverage`` (fraction of all sightings
+        whose caption is labelled), ``pairs``, ``pairs_labelled``, ``pairs_pending``,
+        ``nbytes``, and ``errors/<kind>`` counts.
+        """
+        with self._lock:
+            n = self._captions.size
+            cols = self._captions.cols
+            status = cols["status"][:n]
+            counts = np.bincount(status.astype(np.int64), minlength=4) if n else np.zeros(4, np.int64)
+            labelled = status == LABELLED
+            seen = cols["times_seen"][:n]
+            total_seen = int(seen.sum())
+            pstatus = self._pairs.cols["status"][: self._pairs.size]
+            out = {
+                "size": n,
+                "capacity": self._captions.capacity,
+                "unseen": int(counts[UNSEEN]),
+                "pending": int(counts[PENDING]),
+                "labelled": int(counts[LABELLED]),
+                "failed": int(counts[FAILED]),
+                "retrying": int(((status == UNSEEN) & (cols["attempts"][:n] > 0)).sum()),
+                "positives": int((cols["label"][:n][labelled] >= 0.5).sum()),
+                "labelled_fraction": float(counts[LABELLED] / n) if n else 0.0,
+                "seen_coverage": float(seen[labelled].sum() / total_seen) if total_seen else 0.0,
+                "pairs": self._pairs.size,
+                "pairs_labelled": int((pstatus == LABELLED).sum()),
+                "pairs_pending": int((pstatus == PENDING).sum()),
+                "nbytes": self._captions.nbytes + self._pairs.nbytes + self._index.nbytes,
+            }
+            for kind, count in self.error_counts.items():
+                out[f"errors/{kind}"] = count
+        return out
+
+    # ------------------------------------------------------------------ persistence
+    def _snapshot(self) -> dict:
+        with self._lock:
+            captions = {k: torch.from_numpy(np.array(v[: self._captions.size])) for k, v in self._captions.cols.items()}
+            pairs = {k: torch.from_numpy(np.array(v[: self._pairs.size])) for k, v in self._pairs.cols.items()}
+            provenances = [list(astuple(p)) for p in self._provenances]
+            errors = dict(self.error_counts)
+        # Pending work is not finished work: save it as unseen so a reload retries it.
+        for table in (captions, pairs):
+            status = table["status"]
+            status[status == PENDING] = UNSEEN
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "captions": captions,
+            "pairs": pairs,
+            "provenances": provenances,
+            "error_counts": errors,
+            "config": {
+                "capacity": self._captions.capacity,
+                "pair_capacity": self._pairs.capacity,
+                "max_attempts": self.max_attempts,
+                "retry_backoff_s": self.retry_backoff_s,
+                "claim_order": self.claim_order,
+            },
+        }
+
+    def save(self, path: Union[str, os.PathLike]) -> Path:
+        """Writes the store to one file, atomically.
+
+        The data is written to a temporary file in the same folder, flushed to disk, then
+        moved over ``path`` with :func:`os.replace`: a crash at any point leaves either the
+        previous file or the new one, never a torn file. The lock is held only while copying
+        the rows, not while writing, so the trainer keeps running.
+        """
+        path = Path(path)
+        folder = path.parent if str(path.parent) else Path(".")
+        folder.mkdir(parents=True, exist_ok=True)
+        snapshot = self._snapshot()
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                _write_snapshot(snapshot, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_name, path)
+        except BaseException:
+            try:
+                os.unlink(tmp_name)
+            except OSError:
+                pass
+            raise
+        try:  # make the rename itself durable (POSIX); harmless where unsupported
+            dir_fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            pass
+        return path
+
+    @classmethod
+    def load(
+        cls,
+        path: Union[str, os.PathLike],
+        *,
+        storage: str = "tensor",
+        scratch_dir: Optional[str] = None,
+        capacity: Optional[int] = None,
+        **kwargs,
+    ) -> "CaptionStore":
+        """Reads a store written by :meth:`save`. Pending captions come back unseen.
+
+        Args:
+            path: the file.
+            storage, scratch_dir: as in the constructor (the file does not fix them).
+            capacity: initial capacity (default: the saved one, at least the saved size).
+            **kwargs: overrides of ``max_attempts``, ``retry_backoff_s``, ``claim_order``.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no CaptionStore file at {path}")
+        try:
+            data = torch.load(path, weights_only=True)
+        except Exception as err:  # a truncated or foreign file
+            raise ValueError(f"{path} is not a readable CaptionStore file ({type(err).__name__}: {err})") from None
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a CaptionStore file")
+        if data.get("version") != _VERSION:
+            raise ValueError(f"{path}: unsupported CaptionStore version {data.get('version')}")
+        config = dict(data["config"])
+        captions, pairs = data["captions"], data["pairs"]
+        size = len(captions[CAPTION_HASH_KEY])
+        n_pairs = len(pairs["slot_a"])
+        options = {k: config[k] for k in ("max_attempts", "retry_backoff_s", "claim_order")}
+        options.update(kwargs)
+        store = cls(
+            capacity=max(capacity or config["capacity"], size, 1),
+            storage=storage,
+            scratch_dir=scratch_dir,
+            pair_capacity=max(config["pair_capacity"], n_pairs, 1),
+            **options,
+        )
+        store._provenances = [Provenance(*p) for p in data["provenances"]]
+        store._provenance_ids = {p: i for i, p in enumerate(store._provenances)}
+        store.error_counts = dict(data["error_counts"])
+        if size:
+            slots = store._captions.append({k: v.numpy() for k, v in captions.items()}, size)
+            store._index = _HashIndex.from_arrays(captions[CAPTION_HASH_KEY].numpy(), slots)
+        if n_pairs:
+            store._pairs.append({k: v.numpy() for k, v in pairs.items()}, n_pairs)
+            store._pair_index = {
+                key: i for i, key in enumerate(zip(pairs["slot_a"].tolist(), pairs["slot_b"].tolist()))
+            }
+        store.release_pending()
+        return store
+
+
+def _write_snapshot(snapshot: dict, file) -> None:
+    """Serialises a snapshot (a separate function so tests can simulate a crash mid-write)."""
+    torch.save(snapshot, file)

@@ -1,0 +1,220 @@
+"""Policies for NetHack: a light feed-forward default and ONI's recurrent architecture.
+
+Both read the batched env's keys ``crop`` (characters and colours around the agent),
+``blstats`` and ``message``, and produce ``logits`` over the task's actions plus value
+estimates. ``make_actor_critic`` wraps them as TorchRL modules (a ``ProbabilisticActor`` and a
+``ValueOperator``) ready for ``ClipPPOLoss`` and a collector.
+
+* ``light`` (default): embeddings of the crop, scaled blstats and the message bytes into one
+  MLP; about 0.2 M parameters, fast on one CPU thread. Actor and critic are separate networks,
+  so collection runs only the small actor.
+* ``oni``: the architecture of ONI §5.2 — a conv net over the crop, an MLP over scaled blstats
+  (concatenated with the raw scaled vector), an MLP over ``message / 255``, a GRU core (512) and
+  linear heads, actor and critic sharing everything but the heads. Deviation, on purpose: the
+  crop is read as learned character/colour embeddings instead of a 72×72 RGB rendering with a
+  TrueType font (no font file to ship, and 40× less input).
+
+The critic has one output per value head: ``state_value`` (for the total reward) by default,
+or ``state_value_ext``/``state_value_int`` with ``value_heads=2``.
+
+Example:
+    >>> import torch
+    >>> from torchrl_oni.envs import NLEBatchEnv
+    >>> from torchrl_oni.train.policy import make_actor_critic
+    >>> env = NLEBatchEnv("score", num_envs=2, seed=0)
+    >>> actor, critic = make_actor_critic(env, arch="light")
+    >>> td = env.reset()
+    >>> td = actor(td)
+    >>> td["action"].shape, td["sample_log_prob"].shape if "sample_log_prob" in td else td["action_log_prob"].shape
+    (torch.Size([2]), torch.Size([2]))
+    >>> critic(td)["state_value"].shape
+    torch.Size([2, 1])
+    >>> env.close()
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from tensordict.nn import TensorDictModule, TensorDictSequential
+from torch import nn
+from torchrl.modules import GRUModule, MLP, ProbabilisticActor, ValueOperator
+from torchrl.modules.distributions import MaskedCategorical  # noqa: F401  (documented alternative)
+
+__all__ = ["BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "POLICY_IN_KEYS"]
+
+POLICY_IN_KEYS = ["crop", "blstats", "message"]
+
+# blstats scaling after ONI §5.1 (index: scale); unlisted stats (score, depth, monster level,
+# dungeon number/level, condition, alignment) are scaled to 0. Clipped to ±5 after scaling.
+_SCALES = {0: 1 / 79, 1: 1 / 21, 10: 1 / 10, 11: 1 / 10, 13: 1 / 1000, 14: 1 / 10, 15: 1 / 10,
+           16: 1 / 10, 18: 1 / 10, 19: 1 / 100, 20: 1 / 1000, 21: 1.0, 22: 1 / 10}
+_SCALES.update({i: 1 / 10 for i in range(2, 9)})  # strength..charisma
+BLSTATS_SCALE = torch.tensor([_SCALES.get(i, 0.0) for i in range(27)], dtype=torch.float32)
+assert BLSTATS_SCALE.numel() == 27
+
+
+def scale_blstats(blstats: torch.Tensor) -> torch.Tensor:
+    return (blstats.float() * BLSTATS_SCALE.to(blstats.device)).clamp(-5.0, 5.0)
+
+
+class CropEmbedding(nn.Module):
+    """uint8[..., 2, C, C] (chars, colours) → float[..., D, C, C] by two embedding tables."""
+
+    def __init__(self, char_dim: int = 8, color_dim: int = 4):
+        super().__init__()
+        self.chars = nn.Embedding(256, char_dim)
+        self.colors = nn.Embedding(16, color_dim)
+        self.dim = char_dim + color_dim
+
+    def forward(self, crop: torch.Tensor) -> torch.Tensor:
+        crop = crop.long()
+        chars = self.chars(crop[..., 0, :, :])
+        colors = self.colors(crop[..., 1, :, :].clamp(0, 15))
+        return torch.cat([chars, colors], -1).movedim(-1, -3)
+
+
+class LightNet(nn.Module):
+    """The light default: crop embeddings + scaled blstats + message bytes → MLP → ``out_dim``."""
+
+    def __init__(self, crop_size: int, out_dim: int, hidden: int = 256):
+        super().__init__()
+        self.crop = CropEmbedding()
+        self.crop_proj = nn.Linear(self.crop.dim * crop_size * crop_size, 128)
+        self.stats = nn.Linear(27, 64)
+        self.msg = nn.Linear(256, 64)
+        self.mlp = nn.Sequential(nn.ELU(), nn.Linear(256, hidden), nn.ELU(), nn.Linear(hidden, out_dim))
+
+    def forward(self, crop, blstats, message):
+        crop_f = self.crop_proj(self.crop(crop).flatten(-3))
+        stats_f = self.stats(scale_blstats(blstats))
+        msg_f = self.msg(message.float() / 255.0)
+        return self.mlp(torch.cat([crop_f, stats_f, msg_f], -1))
+
+
+class ONIEncoder(nn.Module):
+    """ONI §5.2 encoder before the core: crop conv net, blstats MLP (+ raw), message MLP."""
+
+    def __init__(self, crop_size: int, hidden: int = 512):
+        super().__init__()
+        self.crop = CropEmbedding(char_dim=16, color_dim=8)
+        self.conv = nn.Sequential(
+            nn.Conv2d(self.crop.dim, 32, 3, padding=1), nn.ELU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ELU(),
+            nn.Conv2d(64, 64, 3, stride=2, padding=1), nn.ELU(),
+        )
+        side = (crop_size + 1) // 2
+        self.conv_fc = nn.Sequential(nn.Linear(64 * side * side, hidden), nn.ELU())
+        self.stats = nn.Sequential(nn.Linear(27, 128), nn.ELU(), nn.Linear(128, 128), nn.ELU())
+        self.msg = nn.Sequential(nn.Linear(256, 128), nn.ELU(), nn.Linear(128, 128), nn.ELU())
+        self.out_dim = hidden + 128 + 27 + 128
+
+    def forward(self, crop, blstats, message):
+        lead = crop.shape[:-3]
+        x = self.crop(crop).reshape(-1, self.crop.dim, *crop.shape[-2:])
+        img = self.conv_fc(self.conv(x).flatten(1)).reshape(*lead, -1)
+        stats = scale_blstats(blstats)
+        return torch.cat([img, self.stats(stats), stats, self.msg(message.float() / 255.0)], -1)
+
+
+def _orthogonal_init(module: nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.orthogonal_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+def _value_keys(value_heads: int):
+    return ["state_value"] if value_heads == 1 else ["state_value_ext", "state_value_int"]
+
+
+class _SplitValues(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def forward(self, values):
+        if self.n == 1:
+            return values
+        return tuple(values[..., i : i + 1] for i in range(self.n))
+
+
+def _make_actor(module_net: nn.Module, in_keys, spec) -> ProbabilisticActor:
+    return ProbabilisticActor(
+        module_net,
+        in_keys=["logits"],
+        out_keys=["action"],
+        distribution_class=torch.distributions.Categorical,
+        return_log_prob=True,
+        spec=spec,
+    )
+
+
+def make_actor_critic(
+    env, arch: str = "light", value_heads: int = 1, hidden: int = 256
+) -> Tuple[ProbabilisticActor, TensorDictModule]:
+    """Builds ``(actor, critic)`` for an env with the batched env's keys.
+
+    Args:
+        env: an env exposing ``action_spec`` (categorical) and a ``crop`` observation.
+        arch: ``"light"`` (feed-forward, fast on CPU) or ``"oni"`` (ONI §5.2 with a GRU core).
+        value_heads: 1 (one value for the combined reward) or 2 (extrinsic and intrinsic).
+        hidden: width of the light net's MLP.
+    """
+    if value_heads not in (1, 2):
+        raise ValueError("value_heads must be 1 or 2")
+    n_actions = int(env.action_spec.space.n)
+    crop_size = int(env.observation_spec["crop"].shape[-1])
+    value_keys = _value_keys(value_heads)
+    if arch == "light":
+        policy_net = LightNet(crop_size, n_actions, hidden)
+        value_net = LightNet(crop_size, value_heads, hidden)
+        _orthogonal_init(policy_net)
+        _orthogonal_init(value_net)
+        with torch.no_grad():  # near-uniform initial policy
+            policy_net.mlp[-1].weight.mul_(0.01)
+        actor = _make_actor(
+            TensorDictModule(policy_net, in_keys=POLICY_IN_KEYS, out_keys=["logits"]), POLICY_IN_KEYS, env.action_spec
+        )
+        critic = TensorDictSequential(
+            TensorDictModule(value_net, in_keys=POLICY_IN_KEYS, out_keys=["_values"]),
+            TensorDictModule(_SplitValues(value_heads), in_keys=["_values"], out_keys=value_keys),
+        )
+        return actor, critic
+    if arch == "oni":
+        encoder = ONIEncoder(crop_size)
+        _orthogonal_init(encoder)
+        gru = GRUModule(
+            input_size=encoder.out_dim,
+            hidden_size=512,
+            in_key="features",
+            out_key="core",
+        )
+        common = TensorDictSequential(
+            TensorDictModule(encoder, in_keys=POLICY_IN_KEYS, out_keys=["features"]),
+            gru,
+        )
+        policy_head = nn.Linear(512, n_actions)
+        value_head = nn.Linear(512, value_heads)
+        _orthogonal_init(policy_head)
+        _orthogonal_init(value_head)
+        with torch.no_grad():
+            policy_head.weight.mul_(0.01)
+        actor_body = TensorDictSequential(common, TensorDictModule(policy_head, in_keys=["core"], out_keys=["logits"]))
+        actor = _make_actor(actor_body, POLICY_IN_KEYS, env.action_spec)
+        critic = TensorDictSequential(
+            common,
+            TensorDictModule(value_head, in_keys=["core"], out_keys=["_values"]),
+            TensorDictModule(_SplitValues(value_heads), in_keys=["_values"], out_keys=value_keys),
+        )
+        return actor, critic
+    raise ValueError(f"unknown policy architecture {arch!r}; choose 'light' or 'oni'")
+
+
+def recurrent_primer(actor):
+    """The ``TensorDictPrimer`` an env needs for the ONI policy's GRU state (None for light)."""
+    for m in actor.modules():
+        if isinstance(m, GRUModule):
+            return m.make_tensordict_primer()
+    return None

@@ -1,0 +1,406 @@
+"""PPO on batched NetHack envs: ``MultiAsyncCollector`` → reward shaping → ``GAE`` → ``ClipPPOLoss``.
+
+The loop, one collected batch at a time:
+
+1. a worker process steps K games for ``rollout`` steps with the current actor and hands back
+   one TensorDict ``[K, rollout]`` (``MultiAsyncCollector``: the other workers keep playing
+   meanwhile);
+2. batch transforms run **in the trainer** (``LLMAnnotationTransform``,
+   ``IntrinsicRewardTransform``...): the collector deep-copies a ``postproc``, so stateful work
+   (the annotation queue, the caption store) must live here;
+3. the reward PPO optimises is ``extrinsic_coeff · clip(r_env) + intrinsic_coeff · r_int``
+   (written to ``("next", "reward")``; the env's own reward stays in
+   ``("next", "extrinsic_reward")``);
+4. ``GAE`` then ``ClipPPOLoss`` for ``ppo_epochs`` passes of minibatches; fresh weights go to
+   the workers; hooks run (reward-model training between PPO iterations).
+
+Example:
+    >>> from torchrl_oni.train import TrainConfig, Trainer
+    >>> import tempfile
+    >>> cfg = TrainConfig(frames=1024, workers=1, envs_per_worker=4, rollout=32,
+    ...                   logdir=tempfile.mkdtemp(), progress=False, tensorboard=False)
+    >>> summary = Trainer(cfg).train()
+    >>> summary["frames"] >= 1024
+    True
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+from torchrl.envs import Compose, InitTracker, TransformedEnv
+
+from ..envs.batched import EPISODE_STATS, NLEBatchEnv
+from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .logging import EpisodeWindow, RunLogger
+from .policy import make_actor_critic, recurrent_primer
+
+__all__ = ["Trainer", "TrainHook", "make_env_factory", "resolve_device"]
+
+log = logging.getLogger("torchrl_oni.train")
+
+
+class TrainHook:
+    """Extension point for the intrinsic-reward side; every method is optional.
+
+    * ``on_batch(batch, trainer) -> batch``: after collection, before the reward is combined
+      (annotation, intrinsic reward lookup);
+    * ``after_update(trainer)``: after each PPO iteration (reward-model training);
+    * ``metrics() -> dict``: numbers for the logs; ``state_dict()/load_state_dict()``: saved in
+      checkpoints; ``close()``: at the end of training.
+    """
+
+    name = "hook"
+
+    def on_batch(self, batch: TensorDictBase, trainer: "Trainer") -> TensorDictBase:
+        return batch
+
+    def after_update(self, trainer: "Trainer") -> None:
+        pass
+
+    def metrics(self) -> Dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+class _EnvFactory:
+    """Picklable env constructor for collector workers (one torch thread per env process)."""
+
+    def __init__(self, task, num_envs, seed, task_kwargs, primer_spec=None):
+        self.task, self.num_envs, self.seed = task, num_envs, seed
+        self.task_kwargs = task_kwargs
+        self.recurrent = primer_spec is not None
+        self.primer_spec = primer_spec
+
+    def __call__(self):
+        torch.set_num_threads(1)
+        env = NLEBatchEnv(self.task, self.num_envs, seed=self.seed, task_kwargs=self.task_kwargs)
+        if self.recurrent:
+            from torchrl.envs import TensorDictPrimer
+
+            env = TransformedEnv(env, Compose(InitTracker(), TensorDictPrimer(self.primer_spec, expand_specs=True)))
+        return env
+
+
+def make_env_factory(cfg: TrainConfig, worker: int, primer_spec=None) -> Callable:
+    task_kwargs = dict(
+        timeout_as_termination=cfg.timeout_as_termination, max_episode_steps=cfg.max_episode_steps
+    )
+    seed = cfg.seed * 10_007 + worker
+    return _EnvFactory(cfg.task, cfg.envs_per_worker, seed, task_kwargs, primer_spec)
+
+
+class Trainer:
+    """PPO trainer over ``cfg.workers`` processes of ``cfg.envs_per_worker`` NetHack games.
+
+    Args:
+        cfg: the :class:`TrainConfig`.
+        hooks: :class:`TrainHook` objects (or any object with some of its methods), e.g. the
+            intrinsic-reward machinery.
+        batch_transforms: TorchRL transforms applied to every collected batch, in order,
+            before the hooks' ``on_batch``.
+    """
+
+    def __init__(self, cfg: TrainConfig, hooks: Sequence = (), batch_transforms: Sequence = ()):
+        cfg.validate()
+        self.cfg = cfg
+        self.hooks = list(hooks)
+        self.batch_transforms = list(batch_transforms)
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu":
+            # the env workers own a core each; OpenMP threads spinning beside them cost 3×
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.workers))
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed % 2**32)
+        self.run_dir = cfg.logdir
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.checkpoint_path = os.path.join(self.run_dir, CHECKPOINT_NAME)
+
+        # a throw-away env gives the specs the networks are built from
+        probe = make_env_factory(cfg, 0)()
+        self.actor, self.critic = make_actor_critic(probe, arch=cfg.arch)
+        self.recurrent = cfg.arch == "oni"
+        self.primer_spec = None
+        if self.recurrent:
+            primer = recurrent_primer(self.actor)
+            self.primer_spec = primer.primers
+        probe.close()
+        self.actor.to(self.device)
+        self.critic.to(self.device)
+
+        from torchrl.objectives import ClipPPOLoss
+        from torchrl.objectives.value import GAE
+
+        self.advantage = GAE(
+            gamma=cfg.gamma,
+            lmbda=cfg.gae_lambda,
+            value_network=self.critic,
+            average_gae=False,
+            deactivate_vmap=self.recurrent,
+        )
+        self.loss = ClipPPOLoss(
+            self.actor,
+            self.critic,
+            clip_epsilon=cfg.clip_epsilon,
+            entropy_coeff=cfg.entropy_coeff,
+            critic_coeff=cfg.critic_coeff,
+            normalize_advantage=True,
+            loss_critic_type="smooth_l1",
+        )
+        self.params = list(self.loss.parameters())
+        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-6)
+        self.frames = 0
+        self.iterations = 0
+        self.episodes = EpisodeWindow(cfg.stats_window)
+        self.time_collect = 0.0
+        self.time_learn = 0.0
+        self._start_frames = 0
+        if cfg.resume:
+            self._resume(cfg.resume)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {
+            "actor": self.actor.state_dict(),
+            "critic": self.critic.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "frames": self.frames,
+            "iterations": self.iterations,
+            "episodes": self.episodes.episodes,
+            "config": self.cfg.to_dict(),
+            "hooks": [h.state_dict() if hasattr(h, "state_dict") else {} for h in self.hooks],
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def save(self, path: Optional[str] = None) -> str:
+        path = path or self.checkpoint_path
+        save_checkpoint(self.state_dict(), path)
+        return path
+
+    def _resume(self, where: str) -> None:
+        path = self.checkpoint_path if where in ("auto", "") else where
+        state = load_checkpoint(path)
+        self.actor.load_state_dict(state["actor"])
+        self.critic.load_state_dict(state["critic"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.frames = int(state["frames"])
+        self.iterations = int(state["iterations"])
+        self.episodes.episodes = int(state.get("episodes", 0))
+        torch.set_rng_state(state["torch_rng"])
+        for hook, hook_state in zip(self.hooks, state.get("hooks", [])):
+            if hook_state and hasattr(hook, "load_state_dict"):
+                hook.load_state_dict(hook_state)
+        self._start_frames = self.frames
+        log.info("resumed from %s at %d frames", path, self.frames)
+
+    # ------------------------------------------------------------------ collection
+    def _make_collector(self, total_frames: int):
+        from torchrl.collectors import MultiAsyncCollector
+
+        cfg = self.cfg
+        factories = [make_env_factory(cfg, w + 1000 * self.iterations, self.primer_spec) for w in range(cfg.workers)]
+        policy = self.actor
+        if self.device.type != "cpu":
+            import copy
+
+            policy = copy.deepcopy(self.actor).cpu()  # workers act on CPU; weights synced below
+        return MultiAsyncCollector(
+            factories,
+            policy,
+            frames_per_batch=cfg.frames_per_batch,
+            total_frames=total_frames,
+            device="cpu",
+            storing_device="cpu",
+            split_trajs=False,
+            num_sub_threads=1,
+        )
+
+    # ------------------------------------------------------------------ rewards
+    def shape_reward(self, batch: TensorDictBase) -> TensorDictBase:
+        """Writes the reward PPO optimises; keeps the env's own in ``extrinsic_reward``."""
+        cfg = self.cfg
+        ext = batch.get(("next", "reward"))
+        batch.set(("next", "extrinsic_reward"), ext)
+        shaped = ext
+        if cfg.extrinsic_clip is not None:
+            shaped = shaped.clamp(-cfg.extrinsic_clip, cfg.extrinsic_clip)
+        shaped = cfg.extrinsic_coeff * shaped
+        intrinsic = batch.get(("next", "intrinsic_reward"), None)
+        if intrinsic is not None and cfg.intrinsic_coeff != 0.0:
+            shaped = shaped + cfg.intrinsic_coeff * intrinsic.reshape(shaped.shape).to(shaped.dtype)
+        batch.set(("next", "reward"), shaped)
+        return batch
+
+    # ------------------------------------------------------------------ learning
+    def _ppo_update(self, batch: TensorDictBase) -> Dict[str, float]:
+        cfg = self.cfg
+        batch = batch.to(self.device)
+        ctx = contextlib.nullcontext()
+        if self.recurrent:
+            from torchrl.modules import set_recurrent_mode
+
+            ctx = set_recurrent_mode(True)
+        stats: Dict[str, List[float]] = {}
+        with ctx:
+            with torch.no_grad():
+                self.advantage(batch)
+            if self.recurrent:
+                flat = batch  # [K, T]: minibatches of whole trajectories
+                n_items, per_item = batch.shape[0], batch.shape[1]
+                mb_items = max(1, cfg.minibatch_size // per_item)
+            else:
+                flat = batch.reshape(-1)
+                n_items, mb_items = flat.shape[0], min(cfg.minibatch_size, flat.shape[0])
+            for _ in range(cfg.ppo_epochs):
+                perm = torch.randperm(n_items, device=self.device)
+                for start in range(0, n_items, mb_items):
+                    idx = perm[start : start + mb_items]
+                    losses = self.loss(flat[idx])
+                    total = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
+                    self.optimizer.zero_grad(set_to_none=True)
+                    total.backward()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+                    self.optimizer.step()
+                    for k in ("loss_objective", "loss_critic", "loss_entropy", "entropy", "kl_approx", "clip_fraction"):
+                        if k in losses.keys():
+                            stats.setdefault(k, []).append(float(losses[k].detach().mean()))
+                    stats.setdefault("grad_norm", []).append(float(grad_norm))
+        return {f"train/{k}": float(np.mean(v)) for k, v in stats.items()}
+
+    def _episode_stats(self, batch: TensorDictBase) -> int:
+        done = batch.get(("next", "done")).reshape(batch.shape)
+        if not done.any():
+            return 0
+        episode = batch.get(("next", "episode"))[done]
+        stats = {k: episode.get(k).float().numpy() for k in EPISODE_STATS if k != "end_status"}
+        stats["death"] = (episode.get("end_status") == 1).float().numpy()
+        stats["timeout"] = (episode.get("end_status") == -1).float().numpy()
+        return self.episodes.add(stats)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> Dict[str, float]:
+        cfg = self.cfg
+        remaining = cfg.frames - self.frames
+        summary: Dict[str, float] = {}
+        if remaining <= 0:
+            log.info("nothing to do: %d frames already trained", self.frames)
+            return {"frames": float(self.frames)}
+        logger = RunLogger(
+            self.run_dir,
+            tensorboard=cfg.tensorboard,
+            wandb=cfg.wandb,
+            wandb_mode=cfg.wandb_mode,
+            config=cfg.to_dict(),
+            resume=bool(cfg.resume),
+        )
+        collector = self._make_collector(total_frames=remaining)
+        bar = None
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.frames, initial=self.frames, unit="frames", dynamic_ncols=True, smoothing=0.1)
+        next_checkpoint = (self.frames // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+        t_start = time.perf_counter()
+        t_wait = time.perf_counter()
+        metrics: Dict[str, float] = {}
+        try:
+            for batch in collector:
+                t_got = time.perf_counter()
+                self.time_collect += t_got - t_wait
+                n = batch.numel()
+                self.frames += n
+                self._episode_stats(batch)
+                for transform in self.batch_transforms:
+                    batch = transform(batch)
+                for hook in self.hooks:
+                    if hasattr(hook, "on_batch"):
+                        batch = hook.on_batch(batch, self)
+                intrinsic = batch.get(("next", "intrinsic_reward"), None)
+                self.shape_reward(batch)
+                train_stats = self._ppo_update(batch)
+                self.iterations += 1
+                for hook in self.hooks:
+                    if hasattr(hook, "after_update"):
+                        hook.after_update(self)
+                collector.update_policy_weights_(self._cpu_weights())
+                t_wait = time.perf_counter()
+                self.time_learn += t_wait - t_got
+                elapsed = t_wait - t_start
+                fps = (self.frames - self._start_frames) / max(elapsed, 1e-9)
+                metrics = {
+                    "frames": self.frames,
+                    "iteration": self.iterations,
+                    "time_s": elapsed,
+                    "fps": fps,
+                    "collect_fraction": self.time_collect / max(self.time_collect + self.time_learn, 1e-9),
+                    "episodes": self.episodes.episodes,
+                    "reward/extrinsic_mean": float(batch.get(("next", "extrinsic_reward")).mean()),
+                    "reward/shaped_mean": float(batch.get(("next", "reward")).mean()),
+                    **train_stats,
+                    **self.episodes.means(),
+                }
+                if intrinsic is not None:
+                    metrics["reward/intrinsic_mean"] = float(intrinsic.float().mean())
+                    metrics["reward/intrinsic_nonzero"] = float((intrinsic != 0).float().mean())
+                for hook in self.hooks:
+                    if hasattr(hook, "metrics"):
+                        metrics.update(hook.metrics())
+                if self.iterations % cfg.log_every == 0:
+                    logger.log(metrics)
+                if bar is not None:
+                    bar.update(n)
+                    post = {"fps": f"{fps:,.0f}"}
+                    if "episode/return" in metrics:
+                        post["return"] = f"{metrics['episode/return']:.2f}"
+                    bar.set_postfix(post, refresh=False)
+                if self.frames >= next_checkpoint:
+                    self.save()
+                    next_checkpoint += cfg.checkpoint_every
+                if self.frames >= cfg.frames:
+                    break
+        finally:
+            collector.shutdown()
+            if bar is not None:
+                bar.close()
+            if metrics:
+                logger.log(metrics) if self.iterations % cfg.log_every else None
+            self.save()
+            logger.close()
+            for hook in self.hooks:
+                if hasattr(hook, "close"):
+                    hook.close()
+        summary = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        summary["frames"] = float(self.frames)
+        summary["checkpoint"] = self.checkpoint_path
+        return summary
+
+    def _cpu_weights(self):
+        from tensordict import TensorDict
+
+        weights = TensorDict.from_module(self.actor)
+        return weights if self.device.type == "cpu" else weights.to("cpu")
