@@ -55,7 +55,7 @@ from .tasks import ONITask, make_task, resolve_task
 __all__ = ["NLEBatchEnv", "EPISODE_STATS"]
 
 EPISODE_STATS = ("return", "length", "dlvl", "xlvl", "gold", "scout", "kills", "end_status", "success")
-_BL_X, _BL_Y = 0, 1
+_BL_X, _BL_Y, _BL_DEPTH, _BL_GOLD, _BL_XLVL = 0, 1, 12, 13, 18
 _MAP_H, _MAP_W = 21, 79
 _SPACE = 32
 
@@ -117,11 +117,12 @@ class NLEBatchEnv(EnvBase):
         self._ep_return = np.zeros(num_envs, dtype=np.float32)
         self._ep_length = np.zeros(num_envs, dtype=np.int64)
         half = crop_size // 2
-        self._pad = half + 1
-        self._padded = np.full((num_envs, 2, _MAP_H + 2 * self._pad, _MAP_W + 2 * self._pad), _SPACE, np.uint8)
-        self._padded[:, 1] = 0
-        self._crop_offsets = np.arange(crop_size) - half + self._pad
+        self._half = half
+        # what lies outside the map: blank characters in colour 0
+        self._crop_template = np.zeros((num_envs, 2, crop_size, crop_size), np.uint8)
+        self._crop_template[:, 0] = _SPACE
         self._state: Optional[dict] = None
+        self._dead: list = []
         self._make_specs()
         if seed is not None:
             self.set_seed(seed)
@@ -170,54 +171,52 @@ class NLEBatchEnv(EnvBase):
             "blstats": np.empty((K, 27), np.int64),
             "hash": np.empty(K, np.int64),
             "count": np.empty(K, np.int64),
-            "dlvl": np.empty(K, np.int64),
-            "xlvl": np.empty(K, np.int64),
-            "gold": np.empty(K, np.int64),
             "scout": np.empty(K, np.int64),
             "kills": np.empty(K, np.int64),
             "end_status": np.zeros(K, np.int64),
             "success": np.zeros(K, bool),
+            "crop": self._crop_template.copy(),
         }
 
     def _observe(self, i: int, game: ONITask, st: dict) -> None:
         """Copies game i's current observation into row i of the new state arrays."""
         obs = game.last_observation
-        msg = obs[game._message_index]
-        st["message"][i] = msg
-        bl = obs[game._blstats_index]
-        st["blstats"][i] = bl
+        st["message"][i] = obs[game._message_index]
+        st["blstats"][i] = obs[game._blstats_index]
         raw = game._prev_message
         counts = self._counts[i]
         n = counts.get(raw, 0) + 1
         counts[raw] = n
         st["count"][i] = n
         st["hash"][i] = self._hash(raw)
-        pad = self._pad
-        self._padded[i, 0, pad : pad + _MAP_H, pad : pad + _MAP_W] = obs[game._chars_index]
-        self._padded[i, 1, pad : pad + _MAP_H, pad : pad + _MAP_W] = obs[game._colors_index]
-        info = game._episode_info()
-        st["dlvl"][i] = info["dlvl"]
-        st["xlvl"][i] = info["xlvl"]
-        st["gold"][i] = info["gold"]
-        st["scout"][i] = info["scout"]
-        st["kills"][i] = info["kills"]
-
-    def _crops(self, blstats: np.ndarray) -> np.ndarray:
-        rows = blstats[:, _BL_Y, None] + self._crop_offsets  # [K, C]
-        cols = blstats[:, _BL_X, None] + self._crop_offsets
-        k = np.arange(self.num_envs)[:, None, None, None]
-        ch = np.arange(2)[None, :, None, None]
-        return self._padded[k, ch, rows[:, None, :, None], cols[:, None, None, :]]
+        # the crop: the part of the C×C window around the agent that lies on the map
+        x, y, C, h = int(obs[game._blstats_index][_BL_X]), int(obs[game._blstats_index][_BL_Y]), self.crop_size, self._half
+        r0, c0 = y - h, x - h
+        rs, cs = max(r0, 0), max(c0, 0)
+        re, ce = min(r0 + C, _MAP_H), min(c0 + C, _MAP_W)
+        crop = st["crop"][i]
+        crop[0, rs - r0 : re - r0, cs - c0 : ce - c0] = obs[game._chars_index][rs:re, cs:ce]
+        crop[1, rs - r0 : re - r0, cs - c0 : ce - c0] = obs[game._colors_index][rs:re, cs:ce]
+        st["scout"][i] = game._scout_total
+        st["kills"][i] = game._kills
+        if not game._in_game:  # after death NetHack zeroes blstats: report the last in-game ones
+            self._dead.append((i, game._last_game_blstats))
 
     def _to_tensordict(self, st: dict, extra: Optional[dict] = None) -> TensorDictBase:
         f = torch.from_numpy
+        game_blstats = st["blstats"]
+        if self._dead:
+            game_blstats = game_blstats.copy()
+            for i, bl in self._dead:
+                game_blstats[i] = bl
+            self._dead = []
         shape = self.batch_size
         episode = {
             "return": f(self._ep_return.copy()),
             "length": f(self._ep_length.copy()),
-            "dlvl": f(st["dlvl"]),
-            "xlvl": f(st["xlvl"]),
-            "gold": f(st["gold"]),
+            "dlvl": f(game_blstats[:, _BL_DEPTH].copy()),
+            "xlvl": f(game_blstats[:, _BL_XLVL].copy()),
+            "gold": f(game_blstats[:, _BL_GOLD].copy()),
             "scout": f(st["scout"]),
             "kills": f(st["kills"]),
             "end_status": f(st["end_status"]),
@@ -228,7 +227,7 @@ class NLEBatchEnv(EnvBase):
             CAPTION_HASH_KEY: f(st["hash"]),
             MSG_COUNT_KEY: f(st["count"]),
             "blstats": f(st["blstats"]),
-            "crop": f(self._crops(st["blstats"])),
+            "crop": f(st["crop"]),
             "episode": TensorDict._new_unsafe(episode, batch_size=shape),
         }
         if extra:
@@ -260,6 +259,7 @@ class NLEBatchEnv(EnvBase):
             self._ep_length[i] = 0
             st["end_status"][i] = 0
             st["success"][i] = False
+            st["crop"][i] = self._crop_template[i]
             self._observe(i, game, st)
         self._state = st
         zeros = torch.zeros(self.batch_size + (1,), dtype=torch.bool)

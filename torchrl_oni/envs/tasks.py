@@ -78,6 +78,12 @@ KEY_Y = ord("y")
 KEY_A = ord("a")
 
 BL = nethack  # blstats indices, e.g. BL.NLE_BL_SCORE
+CAST_KEY = int(nethack.Command.CAST)
+ENHANCE_KEY = int(nethack.Command.ENHANCE)
+SCOUT_EVERY = 8  # steps between two counts of explored squares (and on every level change)
+GOAL_SCORE, GOAL_STAIRCASE, GOAL_ORACLE = 0, 1, 2
+# end statuses as plain ints (NLE's StepStatus values)
+STATUS_ABORTED, STATUS_RUNNING, STATUS_DEATH, STATUS_SUCCESS = -1, 0, 1, 2
 CONDITION_HALLUCINATING = 512
 SUCCESS_REWARD = 50.0
 TIME_PENALTY = -0.01
@@ -148,6 +154,9 @@ class ONITask(nle_base.NLE):
         self.sober = sober
         self.continual = continual
         self.timeout_as_termination = timeout_as_termination
+        self._action_keys = [int(a) for a in actions]
+        self._food_prompts = FOOD_PROMPTS if extended_actions else FOOD_PROMPTS[:1]
+        self._goal_code = {"score": GOAL_SCORE, "staircase": GOAL_STAIRCASE, "oracle": GOAL_ORACLE}[goal]
         self._chars_index = self._observation_keys.index("chars") if "chars" in self._observation_keys else None
         self._colors_index = self._observation_keys.index("colors") if "colors" in self._observation_keys else None
         self._oracle = _oracle_glyph() if goal == "oracle" else None
@@ -176,6 +185,10 @@ class ONITask(nle_base.NLE):
     def _reset_stats(self):
         self._kills = 0
         self._scout: Dict[Tuple[int, int], int] = {}
+        self._scout_total = 0
+        self._scout_tick = 0
+        self._level = None
+        self._in_game = True
         self._paid_success = False
         self._prev_message = b""
 
@@ -194,7 +207,7 @@ class ONITask(nle_base.NLE):
             ``(reward, terminated, truncated, end_status, success)``; the observation is left in
             ``self.last_observation`` (NLE's reused buffers: copy what you keep).
         """
-        key = self._key_for(int(action), self._prev_message)
+        key = self._key_for(action, self._prev_message)
         observation, done = self.nethack.step(key)
         observation, done = self._known_steps(observation, done, key)
         self._steps += 1
@@ -202,43 +215,55 @@ class ONITask(nle_base.NLE):
 
         blstats = observation[self._blstats_index]
         message = observation[self._message_index].tobytes()
-        self._prev_message = message.split(b"\0", 1)[0]
-        if b"you kill " in self._prev_message.lower():  # counted when seen, last step included
+        nul = message.find(b"\0")
+        message = message if nul < 0 else message[:nul]
+        self._prev_message = message
+        if b"kill" in message and b"you kill " in message.lower():  # counted when seen
             self._kills += 1
         in_game = self.nethack.in_normal_game()
+        self._in_game = in_game
+        current = blstats.copy()
         if in_game:
-            self._last_game_blstats = blstats.copy()
-            self._update_scout(observation)
+            self._last_game_blstats = current
+            self._scout_tick += 1
+            level = (int(current[BL.NLE_BL_DNUM]), int(current[BL.NLE_BL_DLEVEL]))
+            # exploration is counted every few steps and on arrival (a logging statistic)
+            if level != self._level or self._scout_tick >= SCOUT_EVERY:
+                self._update_scout(observation)
 
-        success = (not done) and self._success(observation, self._prev_message)
+        success = (not done) and self._goal_code != GOAL_SCORE and self._success(observation, message)
         timed_out = self._steps >= self._max_episode_steps
-        reward = self._reward(blstats, in_game, success)
-        self._prev_blstats = blstats.copy()
+        if self._goal_code == GOAL_SCORE:
+            reward = score_reward(self._prev_blstats, current, in_game)
+        else:
+            reward = self._reward(current, in_game, success)
+        self._prev_blstats = current
 
         if done:
-            end_status = self.StepStatus.DEATH
+            end_status = STATUS_DEATH
         elif success and not self.continual:
-            end_status = self.StepStatus.TASK_SUCCESSFUL
+            end_status = STATUS_SUCCESS
         elif timed_out:
-            end_status = self.StepStatus.ABORTED
+            end_status = STATUS_ABORTED
         else:
-            end_status = self.StepStatus.RUNNING
+            return reward, False, False, STATUS_RUNNING, success
 
-        terminated = end_status in (self.StepStatus.DEATH, self.StepStatus.TASK_SUCCESSFUL)
-        truncated = end_status == self.StepStatus.ABORTED
+        terminated = end_status != STATUS_ABORTED
+        truncated = not terminated
         if truncated and self.timeout_as_termination:
             terminated, truncated = True, False
-        if end_status != self.StepStatus.RUNNING and not done:
+        if in_game:
+            self._update_scout(observation)
+        if not done:
             # stop the game now; the observation the agent sees is the one before quitting
             kept = tuple(a.copy() for a in observation)
             self._quit_game(observation, done)
             self.last_observation = kept
-        return reward, bool(terminated), bool(truncated), int(end_status), bool(success)
+        return reward, terminated, truncated, end_status, success
 
     def _key_for(self, action: int, prev_message: bytes) -> int:
-        key = int(self.actions[action])
-        prompts = FOOD_PROMPTS if self.extended_actions else FOOD_PROMPTS[:1]
-        if any(p in prev_message for p in prompts):
+        key = self._action_keys[action]
+        if b"want to " in prev_message and any(p in prev_message for p in self._food_prompts):
             if key == KEY_Y:  # the NW key doubles as "take the first offered item"
                 match = OPTIONS_RE.search(prev_message)
                 return match.group(1)[0] if match else ASCII_SPACE
@@ -248,38 +273,39 @@ class ONITask(nle_base.NLE):
     def _known_steps(self, observation, done, key):
         """Answers the game's prompts the agent is not meant to see (ONI §4.3)."""
         internal_i, msg_i = self._internal_index, self._message_index
+        step = self.nethack.step
+        extended = self.extended_actions
         enhance = False
-        cast_pending = self.extended_actions and key == nethack.Command.CAST
+        if extended and key == CAST_KEY and not done:  # the CAST macro: always the first spell
+            observation, done = step(KEY_A)
         for _ in range(64):  # a guard: NetHack never chains this many prompts
             if done:
                 break
-            if cast_pending:  # the CAST macro: always the first spell
-                cast_pending = False
-                observation, done = self.nethack.step(KEY_A)
-                continue
-            message = bytes(observation[msg_i])
-            if ENHANCE_MESSAGE in message:
-                enhance = True
             internal = observation[internal_i]
-            if internal[3]:  # --More--
-                observation, done = self.nethack.step(ASCII_SPACE)
+            more, getlin, yes_no = internal[3], internal[2], internal[1]
+            if not extended and not (more or getlin or yes_no):
+                break
+            message = observation[msg_i].tobytes()
+            if extended and ENHANCE_MESSAGE in message:
+                enhance = True
+            if more:  # --More--
+                observation, done = step(ASCII_SPACE)
                 if DESCEND_MESSAGE in message and not done:
                     # keep the arrival message: the staircase tasks are judged on it
                     observation[msg_i][:] = np.frombuffer(message, dtype=np.uint8)
                 continue
-            if internal[2]:  # the game wants a line of text
-                observation, done = self.nethack.step(ASCII_ESC)
+            if getlin:  # the game wants a line of text
+                observation, done = step(ASCII_ESC)
                 continue
-            if internal[1]:  # a yes/no question
-                if not self._allow_all_yn_questions and not any(
-                    q in message for q in ANSWERED_BY_AGENT
-                ):
-                    observation, done = self.nethack.step(ASCII_ESC)
-            if enhance and self.extended_actions and not done:
+            if yes_no:  # a yes/no question
+                if self._allow_all_yn_questions or any(q in message for q in ANSWERED_BY_AGENT):
+                    break  # the agent answers (e.g. NW = yes to a prayer)
+                observation, done = step(ASCII_ESC)
+            if enhance and not done:
                 enhance = False
-                observation, done = self.nethack.step(nethack.Command.ENHANCE)
+                observation, done = step(ENHANCE_KEY)
                 if not done:
-                    observation, done = self.nethack.step(KEY_A)
+                    observation, done = step(KEY_A)
                     continue
             break
         return observation, done
@@ -314,7 +340,11 @@ class ONITask(nle_base.NLE):
         blstats = observation[self._blstats_index]
         level = (int(blstats[BL.NLE_BL_DNUM]), int(blstats[BL.NLE_BL_DLEVEL]))
         glyphs = observation[self._glyph_index]
-        self._scout[level] = int(np.count_nonzero(glyphs != nethack.GLYPH_CMAP_OFF))
+        seen = int(np.count_nonzero(glyphs != nethack.GLYPH_CMAP_OFF))
+        self._scout_total += seen - self._scout.get(level, 0)
+        self._scout[level] = seen
+        self._level = level
+        self._scout_tick = 0
 
     def _episode_info(self) -> dict:
         bl = self._last_game_blstats
@@ -322,7 +352,7 @@ class ONITask(nle_base.NLE):
             "dlvl": int(bl[BL.NLE_BL_DEPTH]),
             "gold": int(bl[BL.NLE_BL_GOLD]),
             "xlvl": int(bl[BL.NLE_BL_XP]),
-            "scout": int(sum(self._scout.values())),
+            "scout": int(self._scout_total),
             "kills": int(self._kills),
         }
 

@@ -1,0 +1,165 @@
+"""Env throughput on one core: raw NLE loops vs the batched TorchRL env vs TorchRL's own wrappers.
+
+Every configuration steps random actions in this one process (``torch.set_num_threads(1)``);
+configurations are measured in interleaved rounds and the median round is reported, so machine
+noise hits them alike. ``ParallelEnv`` uses two processes and is reported for reference only.
+
+Rows:
+  raw NLE (default keys)   gymnasium ``NetHackScore-v0`` with NLE's default observation keys —
+                           the "raw NLE gymnasium loop" a user writes; the ratio's baseline
+  raw NLE (our 5 keys)     the same loop asking only for the keys our env reads
+  task loop, 1 game        our ONI task (ExtendedActions step logic) in a plain Python loop
+  task loop, K games       K of those games stepped round-robin in plain Python: NetHack's own
+                           cost with K games per process (each game is a separate copy of the
+                           NetHack library, so K games share the CPU caches)
+  NLEBatchEnv(K)           the batched TorchRL env with every key, ``step_and_maybe_reset``
+  GymEnv (1 game)          TorchRL ``GymWrapper`` + copying wrapper + ``MessageCounter``
+
+Usage: ``python benchmarks/env_throughput.py --seconds 60 [--envs 16] [--parallel]``
+The last line of output is one JSON object: raw_fps, batched_fps, ratio (= batched / raw, per core), ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def _raw_gym_loop(keys=None):
+    import gymnasium as gym
+    import nle  # noqa: F401  (registers NetHack*-v0)
+
+    kwargs = {} if keys is None else {"observation_keys": keys}
+    env = gym.make("NetHackScore-v0", **kwargs)
+    env.reset(seed=0)
+    rng = np.random.default_rng(0)
+    n_actions = env.action_space.n
+
+    def run(seconds):
+        n, t0 = 0, time.perf_counter()
+        actions = rng.integers(0, n_actions, size=4096)
+        while time.perf_counter() - t0 < seconds:
+            for a in actions[:256]:
+                _, _, term, trunc, _ = env.step(int(a))
+                n += 1
+                if term or trunc:
+                    env.reset()
+        return n / (time.perf_counter() - t0)
+
+    return run, env.close
+
+
+def _task_loop(k):
+    from torchrl_oni.envs import make_task
+
+    games = [make_task("score") for _ in range(k)]
+    for i, g in enumerate(games):
+        g.reset(seed=i)
+    rng = np.random.default_rng(0)
+
+    def run(seconds):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            actions = rng.integers(0, 28, size=(16, k)).tolist()
+            for row in actions:
+                for g, a in zip(games, row):
+                    _, term, trunc, _, _ = g.step_core(a)
+                    n += 1
+                    if term or trunc:
+                        g.reset()
+        return n / (time.perf_counter() - t0)
+
+    def close():
+        for g in games:
+            g.close()
+
+    return run, close
+
+
+def _torchrl_loop(env):
+    td = env.reset()
+    batch = max(1, env.batch_size.numel())
+
+    def run(seconds):
+        nonlocal td
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(8):
+                td.set("action", env.action_spec.rand())
+                _, td = env.step_and_maybe_reset(td)
+                n += batch
+        return n / (time.perf_counter() - t0)
+
+    return run, env.close
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=60.0, help="total measuring time (default 60)")
+    p.add_argument("--envs", type=int, default=16, help="games per batched env (default 16)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--parallel", action="store_true", help="also time ParallelEnv(2) of GymEnv (slow start)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from torchrl_oni.envs import NLEBatchEnv
+    from torchrl_oni.envs.gym_pieces import make_gym_env
+
+    k = args.envs
+    configs = {
+        "raw NLE (default keys)": _raw_gym_loop(),
+        "raw NLE (our 5 keys)": _raw_gym_loop(("glyphs", "chars", "colors", "blstats", "message")),
+        "task loop, 1 game": _task_loop(1),
+        f"task loop, {k} games": _task_loop(k),
+        f"NLEBatchEnv({k})": _torchrl_loop(NLEBatchEnv("score", num_envs=k, seed=0)),
+        "GymEnv (1 game)": _torchrl_loop(make_gym_env("score", seed=0)),
+    }
+    per = args.seconds / (args.rounds * (len(configs) + (1 if args.parallel else 0)))
+    results = {name: [] for name in configs}
+    for run, _ in configs.values():  # warm-up
+        run(min(0.3, per))
+    for _ in range(args.rounds):
+        for name, (run, _) in configs.items():
+            results[name].append(run(per))
+    for _, close in configs.values():
+        close()
+    if args.parallel:
+        from torchrl.envs import ParallelEnv
+
+        t0 = time.perf_counter()
+        penv = ParallelEnv(2, make_gym_env, mp_start_method="spawn")
+        run, close = _torchrl_loop(penv)
+        startup = time.perf_counter() - t0
+        results[f"ParallelEnv(2) of GymEnv [2 procs, start {startup:.0f} s]"] = [run(per * args.rounds)]
+        close()
+
+    med = {name: statistics.median(v) for name, v in results.items()}
+    raw = med["raw NLE (default keys)"]
+    print(f"\nenv throughput, random actions, 1 torch thread, median of {args.rounds} interleaved rounds")
+    print(f"{'configuration':<58} {'frames/s':>10} {'vs raw':>8}")
+    for name, fps in med.items():
+        print(f"{name:<58} {fps:>10,.0f} {fps / raw:>8.2f}")
+    batched = med[f"NLEBatchEnv({k})"]
+    out = {
+        "raw_fps": round(raw),
+        "raw_same_keys_fps": round(med["raw NLE (our 5 keys)"]),
+        "task_loop_fps": round(med["task loop, 1 game"]),
+        "task_loop_k_fps": round(med[f"task loop, {k} games"]),
+        "batched_fps": round(batched),
+        "gymenv_fps": round(med["GymEnv (1 game)"]),
+        "ratio": round(batched / raw, 3),
+        "ratio_same_keys": round(batched / med["raw NLE (our 5 keys)"], 3),
+        "ratio_vs_k_game_loop": round(batched / med[f"task loop, {k} games"], 3),
+        "envs": k,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
