@@ -7,8 +7,8 @@ client alone, so ``model / scripted`` is the share of time the model itself take
 Accuracy (threshold 0.5 on P(yes)/(P(yes)+P(no))) and AUC are measured on a built-in set of 40
 hand-labelled NetHack messages (20 progress, 20 not).
 
-The second part, the collector's frames/s with annotation on vs off, is left to
-:func:`collector_overhead` (to be written with the training loop).
+The second part, :func:`collector_overhead`, measures the collector's frames/s with
+``LLMAnnotationTransform`` on vs off in the same run (``ratio`` = on/off).
 
 Usage::
 
@@ -140,15 +140,76 @@ async def _accuracy(url: str, model: str) -> Dict[str, float]:
             sum(s > 0.5 for s in filled) / len(filled)}
 
 
-def collector_overhead(args) -> Optional[dict]:
-    """TODO(lead): frames/s of the collector with annotation on vs off (ratio in the same run).
+def _collector_phases(url: str, model: str, seconds: float, rounds: int = 6) -> Tuple[float, float, dict]:
+    """Collector frames/s with annotation off and on, in alternating phases of one collector."""
+    import torch
+    from torchrl.collectors import MultiAsyncCollector
 
-    To be added with the training loop: run the collector for a share of ``args.seconds`` with
-    the annotation transform off, then on against (a) the scripted server (client-side cost, as
-    on a GPU node) and (b) the embedded model on the same cores (what a laptop user sees).
-    Return a dict merged into the JSON line, or ``None`` to skip.
+    from torchrl_oni.annotation import LLMAnnotationTransform
+    from torchrl_oni.annotators.openai import OpenAIAnnotator
+    from torchrl_oni.store import CaptionStore
+    from torchrl_oni.train.config import TrainConfig
+    from torchrl_oni.train.ppo import make_env_factory
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(workers=2, envs_per_worker=32, rollout=32)
+    collector = MultiAsyncCollector([make_env_factory(cfg, w) for w in range(cfg.workers)], None,
+                                    frames_per_batch=cfg.frames_per_batch, total_frames=-1,
+                                    device="cpu", storing_device="cpu", num_sub_threads=1)
+    store = CaptionStore(capacity=65536)
+    annotator = OpenAIAnnotator(url, model, batch_size=100, prompt="short", use_logprobs=True)
+    annotate = LLMAnnotationTransform(store, annotator, close_annotator=True)
+    fps = {"off": [], "on": []}
+    phase = seconds / (2 * rounds)
+    it = iter(collector)
+    next(it)  # start-up
+    try:
+        for _ in range(rounds):
+            for mode in ("off", "on"):
+                frames, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < phase:
+                    batch = next(it)
+                    if mode == "on":
+                        batch = annotate(batch)
+                    frames += batch.numel()
+                fps[mode].append(frames / (time.perf_counter() - t0))
+        metrics = annotate.metrics()
+    finally:
+        annotate.close()
+        collector.shutdown()
+    off = sorted(fps["off"])[len(fps["off"]) // 2]
+    on = sorted(fps["on"])[len(fps["on"]) // 2]
+    # the ratio is the median of per-round ratios: neighbouring phases share the machine's mood
+    ratios = sorted(b / a for a, b in zip(fps["off"], fps["on"]))
+    metrics["ratio_median"] = ratios[len(ratios) // 2]
+    return off, on, metrics
+
+
+def collector_overhead(args) -> Optional[dict]:
+    """Collector frames/s with ``LLMAnnotationTransform`` on vs off, in the same run.
+
+    Two workers × 32 games feed a ``MultiAsyncCollector``; the trainer applies the transform to
+    each batch (its place: the collector deep-copies postprocs). Phases alternate off/on on one
+    collector so start-up and machine noise hit both. The annotator is the real aiohttp client
+    against the scripted server — the LLM's own compute is elsewhere, as with a GPU node — so the
+    ratio is the client-side cost. ``--laptop`` also measures the embedded model serving on the
+    same two cores, which is what a laptop user sees.
     """
-    return None
+    if args.collector_seconds <= 0:
+        return None
+    from torchrl_oni.serve.embedded import start_embedded_server
+
+    out = {}
+    with start_embedded_server(backend="scripted", port=0) as srv:
+        off, on, m = _collector_phases(srv.url, srv.model, args.collector_seconds)
+    out.update({"collector_fps_off": round(off), "collector_fps_on": round(on), "ratio": round(m["ratio_median"], 3),
+                "collector_labels": int(m.get("labels_total", 0)), "collector_coverage": round(m.get("coverage", 0.0), 3)})
+    if args.laptop:
+        with start_embedded_server(args.model, port=0, threads=1, dtype=args.dtype) as srv:
+            off, on, m = _collector_phases(srv.url, srv.model, args.collector_seconds)
+        out.update({"laptop_fps_off": round(off), "laptop_fps_on": round(on), "laptop_ratio": round(m["ratio_median"], 3),
+                    "laptop_coverage": round(m.get("coverage", 0.0), 3)})
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -160,11 +221,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     parser.add_argument("--batches", default="1,8,32,100", help="prompts per request")
     parser.add_argument("--no-accuracy", action="store_true")
+    parser.add_argument("--collector-seconds", type=float, default=None,
+                        help="time for the collector on/off part (default: a third of --seconds; 0 skips)")
+    parser.add_argument("--laptop", action="store_true",
+                        help="also measure the collector with the embedded model on the same cores")
     args = parser.parse_args(argv)
 
     from torchrl_oni.serve.embedded import start_embedded_server
     from torchrl_oni.serve.models import ModelNotInstalledError
 
+    if args.collector_seconds is None:
+        args.collector_seconds = args.seconds / 3
+        args.seconds -= args.collector_seconds
     batches = [int(b) for b in args.batches.split(",")]
     # Scripted baseline gets a tenth of the time: it only measures HTTP + client cost.
     base_share = args.seconds * 0.1 / len(batches)
@@ -210,6 +278,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{'batch':>6} {'captions/s':>11} {'scripted/s':>11} {'model share':>12}")
     for b in batches:
         print(f"{b:>6} {rates[b]:>11.2f} {baseline[b]:>11.1f} {result['model_time_share'][str(b)]:>12.1%}")
+    if "ratio" in result:
+        print(f"collector, 2 workers x 32 games: {result['collector_fps_off']:,} frames/s without annotation, "
+              f"{result['collector_fps_on']:,} with (ratio {result['ratio']:.3f}; scripted server, client cost)")
+    if "laptop_ratio" in result:
+        print(f"  embedded model on the same cores: {result['laptop_fps_off']:,} -> {result['laptop_fps_on']:,} "
+              f"frames/s (ratio {result['laptop_ratio']:.3f})")
     print(json.dumps(result))
     return 0
 
