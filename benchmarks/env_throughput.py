@@ -8,6 +8,7 @@ Rows:
   raw NLE (default keys)   gymnasium ``NetHackScore-v0`` with NLE's default observation keys —
                            the "raw NLE gymnasium loop" a user writes; the ratio's baseline
   raw NLE (our 5 keys)     the same loop asking only for the keys our env reads
+  raw NLE, K games         the default-keys loop over K games round-robin in one process
   task loop, 1 game        our ONI task (ExtendedActions step logic) in a plain Python loop
   task loop, K games       K of those games stepped round-robin in plain Python: NetHack's own
                            cost with K games per process (each game is a separate copy of the
@@ -30,28 +31,33 @@ import numpy as np
 import torch
 
 
-def _raw_gym_loop(keys=None):
+def _raw_gym_loop(keys=None, games=1):
     import gymnasium as gym
     import nle  # noqa: F401  (registers NetHack*-v0)
 
     kwargs = {} if keys is None else {"observation_keys": keys}
-    env = gym.make("NetHackScore-v0", **kwargs)
-    env.reset(seed=0)
+    envs = [gym.make("NetHackScore-v0", **kwargs) for _ in range(games)]
+    for i, env in enumerate(envs):
+        env.reset(seed=i)
     rng = np.random.default_rng(0)
-    n_actions = env.action_space.n
+    n_actions = envs[0].action_space.n
 
     def run(seconds):
         n, t0 = 0, time.perf_counter()
-        actions = rng.integers(0, n_actions, size=4096)
         while time.perf_counter() - t0 < seconds:
-            for a in actions[:256]:
-                _, _, term, trunc, _ = env.step(int(a))
-                n += 1
-                if term or trunc:
-                    env.reset()
+            for row in rng.integers(0, n_actions, size=(max(1, 256 // games), games)).tolist():
+                for env, a in zip(envs, row):
+                    _, _, term, trunc, _ = env.step(a)
+                    n += 1
+                    if term or trunc:
+                        env.reset()
         return n / (time.perf_counter() - t0)
 
-    return run, env.close
+    def close():
+        for env in envs:
+            env.close()
+
+    return run, close
 
 
 def _task_loop(k):
@@ -114,6 +120,7 @@ def main(argv=None):
     configs = {
         "raw NLE (default keys)": _raw_gym_loop(),
         "raw NLE (our 5 keys)": _raw_gym_loop(("glyphs", "chars", "colors", "blstats", "message")),
+        f"raw NLE (default keys), {k} games round-robin": _raw_gym_loop(games=k),
         "task loop, 1 game": _task_loop(1),
         f"task loop, {k} games": _task_loop(k),
         f"NLEBatchEnv({k})": _torchrl_loop(NLEBatchEnv("score", num_envs=k, seed=0)),
@@ -155,6 +162,8 @@ def main(argv=None):
         "ratio": round(batched / raw, 3),
         "ratio_same_keys": round(batched / med["raw NLE (our 5 keys)"], 3),
         "ratio_vs_k_game_loop": round(batched / med[f"task loop, {k} games"], 3),
+        "raw_k_fps": round(med[f"raw NLE (default keys), {k} games round-robin"]),
+        "ratio_vs_raw_k": round(batched / med[f"raw NLE (default keys), {k} games round-robin"], 3),
         "envs": k,
     }
     print(json.dumps(out))
