@@ -1,0 +1,44 @@
+"""torchrl_oni: ONI (online intrinsic rewards from LLM feedback) for TorchRL on NetHack.
+
+The public names load lazily, so ``import torchrl_oni`` stays cheap (no NLE, no torchrl import
+until a name is used).
+
+Example:
+    >>> import torchrl_oni
+    >>> torchrl_oni.IntrinsicRewardTransform.__name__
+    'IntrinsicRewardTransform'
+"""
+from __future__ import annotations
+
+import importlib
+
+__all__ = [
+    "CaptionStore",
+    "IntrinsicRewardTransform",
+    "LLMAnnotationTransform",
+    "NLEBatchEnv",
+    "TrainConfig",
+    "Trainer",
+]
+
+_WHERE = {
+    "CaptionStore": "torchrl_oni.store",
+    "IntrinsicRewardTransform": "torchrl_oni.transforms",
+    "LLMAnnotationTransform": "torchrl_oni.transforms",
+    "NLEBatchEnv": "torchrl_oni.envs.batched",
+    "TrainConfig": "torchrl_oni.train.config",
+    "Trainer": "torchrl_oni.train.ppo",
+}
+
+
+def __getattr__(name):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchrl_oni' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

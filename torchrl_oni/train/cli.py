@@ -18,7 +18,7 @@ import os
 import sys
 from typing import List, Optional
 
-from .config import INTRINSIC_REWARDS, PRESETS, TrainConfig
+from .config import ANNOTATORS, GOALS, INTRINSIC_REWARDS, PRESETS, TrainConfig
 
 EXIT_USAGE = 2
 
@@ -65,6 +65,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intrinsic-coeff", type=float, default=None, help="default: 0 with --intrinsic-reward none, else 0.4")
     p.add_argument("--intrinsic-reward", choices=INTRINSIC_REWARDS, default=d.intrinsic_reward)
     p.add_argument("--llm-url", default=None, help="OpenAI-compatible server, e.g. http://gpu-node:8000/v1 (default: start the embedded one)")
+    g = p.add_argument_group("intrinsic reward (with --intrinsic-reward other than none)")
+    g.add_argument("--llm-model", default=None, help="with --llm-url: the served model name (required); "
+                   "without: the packaged model the embedded server loads (default qwen2.5-coder-0.5b-instruct)")
+    g.add_argument("--annotator", choices=ANNOTATORS, default=d.annotator,
+                   help="llm: an LLM labels captions; scripted: hand-written rules, no LLM (default: %(default)s)")
+    g.add_argument("--llm-prompt", choices=["auto", "tagged", "short"], default=d.llm_prompt,
+                   help="auto: short yes/no + logprobs for the embedded server, ONI's tagged prompt for --llm-url")
+    g.add_argument("--llm-batch-size", type=int, default=d.llm_batch_size, help="captions per LLM request (default: %(default)s)")
+    g.add_argument("--llm-concurrency", type=int, default=d.llm_concurrency, help="LLM requests in flight (default: %(default)s)")
+    g.add_argument("--goal", choices=GOALS, default=d.goal, help="what counts as progress for the annotator / BoW (default: %(default)s)")
+    g.add_argument("--caption-store", default=None, metavar="PATH",
+                   help="caption/label store, loaded if it exists and saved at checkpoints (default: LOGDIR/captions.pt)")
+    g.add_argument("--reward-message", choices=["acted", "next"], default=d.reward_message,
+                   help="which observation's message pays: acted (ONI: the one the action was taken on) or next")
+    g.add_argument("--count-exponent", type=float, default=d.count_exponent, help="beta in R(m)·msg_count^-beta (default: %(default)s)")
+    g.add_argument("--classification-threshold", type=float, default=d.classification_threshold)
+    g.add_argument("--ranking-threshold", type=float, default=d.ranking_threshold, help="cut on the normalised ranking score (default: %(default)s)")
+    g.add_argument("--ranking-raw", action="store_true", help="pay the raw ranking score, as ONI's code did by accident")
+    g.add_argument("--ranking-pairs", type=int, default=d.ranking_pairs, help="pairs queued per batch (default: %(default)s)")
+    g.add_argument("--reward-model", default=None, metavar="PATH", help="motif: checkpoint written by oni-train-reward")
+    g.add_argument("--motif-quantile", type=float, default=d.motif_quantile, help="motif: threshold quantile, 0.05..0.95 (default: %(default)s)")
+    g.add_argument("--bow-threshold", type=float, default=d.bow_threshold)
+    g.add_argument("--bow-vectors", choices=["auto", "minilm", "hashed"], default=d.bow_vectors)
+    g.add_argument("--rm-lr", type=float, default=d.rm_lr, help="reward-model Adam learning rate (default: %(default)s)")
+    g.add_argument("--rm-batch-size", type=int, default=d.rm_batch_size)
+    g.add_argument("--rm-steps-per-labels", type=int, default=d.rm_steps_per_labels,
+                   help="reward-model steps whenever new labels arrived, below --rm-switch-at items (default: %(default)s)")
+    g.add_argument("--rm-switch-at", type=int, default=d.rm_switch_at)
+    g.add_argument("--rm-steps-per-iteration", type=int, default=d.rm_steps_per_iteration,
+                   help="reward-model steps per PPO iteration from --rm-switch-at items on (default: %(default)s)")
+    g.add_argument("--rm-time-fraction", type=float, default=None,
+                   help="cap on the share of wall time spent training the reward model; owed steps are spread "
+                        "over later iterations (default: 0.1 on CPU, no cap on GPU; 0: no cap)")
     p.add_argument("--extrinsic-clip", type=float, default=d.extrinsic_clip, help="clip env rewards to ±this before the coefficient; 0 = no clip (default: %(default)s)")
     p.add_argument("--timeout-as-termination", action="store_true", help="treat the step limit as a terminal state, like the original ONI (default: truncation)")
     p.add_argument("--max-episode-steps", type=int, default=d.max_episode_steps)
@@ -90,7 +123,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         setattr(cfg, key, value)
     direct = ["task", "frames", "workers", "envs_per_worker", "rollout", "seed", "logdir", "device",
               "extrinsic_coeff", "intrinsic_reward", "llm_url", "timeout_as_termination",
-              "max_episode_steps", "ppo_epochs", "checkpoint_every", "resume", "wandb", "wandb_mode"]
+              "max_episode_steps", "ppo_epochs", "checkpoint_every", "resume", "wandb", "wandb_mode",
+              "llm_model", "annotator", "llm_prompt", "llm_batch_size", "llm_concurrency", "goal", "caption_store",
+              "reward_message", "count_exponent", "classification_threshold", "ranking_threshold", "ranking_raw",
+              "ranking_pairs", "reward_model", "motif_quantile", "bow_threshold", "bow_vectors", "rm_lr",
+              "rm_batch_size", "rm_steps_per_labels", "rm_switch_at", "rm_steps_per_iteration", "rm_time_fraction"]
     for key in direct:
         setattr(cfg, key, getattr(args, key))
     for key in ("arch", "lr", "entropy_coeff", "clip_epsilon", "minibatch_size"):
@@ -128,8 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         hooks = build_intrinsic_hooks(cfg)
-    except (ValueError, RuntimeError, ConnectionError) as err:
-        parser.error(str(err))
+    except (ValueError, RuntimeError, OSError) as err:  # ConnectionError and TimeoutError are OSErrors
+        parser.error(" ".join(str(err).split()))
     trainer = Trainer(cfg, hooks=hooks)
     try:
         summary = trainer.train()

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 INTRINSIC_REWARDS = ("none", "retrieval", "classification", "ranking", "motif", "bow")
+ANNOTATORS = ("llm", "scripted")
+GOALS = ("default", "combat", "gold", "stairs", "zero-knowledge")
 
 
 @dataclass
@@ -50,6 +52,32 @@ class TrainConfig:
     progress: bool = True
     resume: Optional[str] = None
     llm_url: Optional[str] = None
+    # intrinsic reward (see train/intrinsic.py)
+    annotator: str = "llm"  # llm (--llm-url or the embedded server) | scripted (rules, no LLM)
+    llm_model: Optional[str] = None  # served name with --llm-url; packaged model otherwise
+    llm_prompt: str = "auto"  # auto (short+logprobs for the embedded server, tagged for a URL)
+    llm_batch_size: int = 100  # captions per annotation request (ONI: 100)
+    llm_concurrency: int = 4
+    goal: str = "default"
+    caption_store: Optional[str] = None  # default <logdir>/captions.pt
+    reward_message: str = "acted"  # acted (ONI) | next
+    count_exponent: float = 3.0  # beta of msg_count ** -beta
+    classification_threshold: float = 0.5
+    ranking_threshold: float = -0.5
+    ranking_raw: bool = False  # True: pay the raw ranking score, as ONI's code did by accident
+    ranking_pairs: int = 10  # pairs queued per batch (ONI: 10)
+    reward_model: Optional[str] = None  # motif checkpoint from oni-train-reward
+    motif_quantile: float = 0.5
+    bow_threshold: float = -0.5
+    bow_vectors: str = "auto"  # auto | minilm | hashed
+    rm_lr: float = 1e-4
+    rm_batch_size: int = 256
+    rm_steps_per_labels: int = 32
+    rm_switch_at: int = 25_000
+    rm_steps_per_iteration: int = 1
+    # share of the trainer's wall time reward-model training may take (steps owed by the
+    # schedule are spread over later iterations); None: 0.1 when it trains on CPU, no cap on GPU
+    rm_time_fraction: Optional[float] = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -88,6 +116,24 @@ class TrainConfig:
             (self.ppo_epochs >= 1, "--ppo-epochs must be at least 1"),
             (self.checkpoint_every > 0, "--checkpoint-every must be positive"),
             (self.max_episode_steps >= 1, "--max-episode-steps must be at least 1"),
+            (self.annotator in ANNOTATORS, f"unknown --annotator {self.annotator!r} (llm or scripted)"),
+            (self.goal in GOALS, f"unknown --goal {self.goal!r} ({', '.join(GOALS)})"),
+            (self.reward_message in ("acted", "next"), "--reward-message must be 'acted' or 'next'"),
+            (self.llm_prompt in ("auto", "tagged", "short"), "--llm-prompt must be auto, tagged or short"),
+            (self.count_exponent >= 0, "--count-exponent must be non-negative"),
+            (self.llm_batch_size >= 1 and self.llm_concurrency >= 1,
+             "--llm-batch-size and --llm-concurrency must be at least 1"),
+            (self.rm_batch_size >= 1 and self.rm_lr > 0, "--rm-batch-size must be >= 1 and --rm-lr > 0"),
+            (min(self.rm_steps_per_labels, self.rm_switch_at, self.rm_steps_per_iteration) >= 0,
+             "reward-model schedule settings must be non-negative"),
+            (self.rm_time_fraction is None or self.rm_time_fraction >= 0,
+             "--rm-time-fraction must be non-negative (0: no cap)"),
+            (self.ranking_pairs >= 1, "--ranking-pairs must be at least 1"),
+            (self.bow_vectors in ("auto", "minilm", "hashed"), "--bow-vectors must be auto, minilm or hashed"),
+            (self.intrinsic_reward != "motif" or bool(self.reward_model),
+             "--intrinsic-reward motif needs --reward-model PATH (a checkpoint from oni-train-reward)"),
+            (self.intrinsic_reward != "bow" or self.goal != "zero-knowledge",
+             "--intrinsic-reward bow needs a goal sentence; --goal zero-knowledge has none"),
         ]
         for ok, message in checks:
             if not ok:

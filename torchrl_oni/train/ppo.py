@@ -387,13 +387,20 @@ class Trainer:
             collector.shutdown()
             if bar is not None:
                 bar.close()
-            if metrics:
-                logger.log(metrics) if self.iterations % cfg.log_every else None
-            self.save()
-            logger.close()
+            # hooks first: labels that land while the annotation worker drains are counted
             for hook in self.hooks:
                 if hasattr(hook, "close"):
                     hook.close()
+            if metrics:
+                final = {k: v for k, v in metrics.items()}
+                for hook in self.hooks:
+                    if hasattr(hook, "metrics"):
+                        final.update(hook.metrics())
+                if final != metrics or self.iterations % cfg.log_every:
+                    logger.log(final)
+                    metrics = final
+            self.save()
+            logger.close()
         summary = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         summary["frames"] = float(self.frames)
         summary["checkpoint"] = self.checkpoint_path

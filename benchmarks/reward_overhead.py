@@ -1,0 +1,110 @@
+"""What each intrinsic reward costs the trainer: training frames/s with it vs ``none``, same run.
+
+Each reward type trains the real :class:`~torchrl_oni.train.Trainer` (collector workers, PPO,
+the intrinsic hooks of ``oni-train``) for the same number of frames; runs are interleaved
+round-robin so drifting machine load hits every type alike, and each type's steady-state rate
+(the first ``--warmup`` iterations excluded) is the median over rounds.
+
+Labels come from the **scripted annotator**, in the trainer process: the LLM's own compute is
+not on the training cores (in real runs it lives on a GPU server, or the embedded server's one
+thread), so what is measured is the trainer-side cost: store inserts and lookups, the
+annotation worker thread, reward inference, reward-model training (classification/ranking, on
+ONI's schedule: 32 steps per new-label batch), pair queueing (ranking), BoW embedding (bow).
+
+Usage::
+
+    python benchmarks/reward_overhead.py --seconds 240
+
+Prints a table, then, as the LAST line, one JSON object with ``fps_<type>`` and
+``ratio_<type>`` (= fps_type / fps_none) for retrieval, classification, ranking and bow.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from torchrl_oni.train import TrainConfig, Trainer  # noqa: E402
+from torchrl_oni.train.intrinsic import build_intrinsic_hooks  # noqa: E402
+from torchrl_oni.train.logging import read_metrics  # noqa: E402
+
+KINDS = ("none", "retrieval", "classification", "ranking", "bow")
+
+
+def steady_fps(logdir: str, warmup: int) -> float:
+    rows = read_metrics(logdir)
+    start = rows[min(warmup, len(rows) - 2)]
+    end = rows[-1]
+    return (end["frames"] - start["frames"]) / max(end["time_s"] - start["time_s"], 1e-9)
+
+
+def run_once(kind: str, frames: int, args, root: str) -> float:
+    logdir = tempfile.mkdtemp(prefix=f"{kind}-", dir=root)
+    cfg = TrainConfig(
+        frames=frames, workers=args.workers, envs_per_worker=args.envs_per_worker, rollout=32,
+        intrinsic_reward=kind, intrinsic_coeff=0.0 if kind == "none" else 0.4, annotator="scripted",
+        logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9, seed=args.seed,
+        minibatch_size=args.minibatch_size,
+    )
+    hooks = build_intrinsic_hooks(cfg)
+    Trainer(cfg, hooks=hooks).train()
+    return steady_fps(logdir, args.warmup)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=240.0, help="rough total time budget")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--envs-per-worker", type=int, default=16)
+    p.add_argument("--minibatch-size", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="iterations left out of each rate")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    logging.disable(logging.INFO)
+    torch.set_num_threads(1)
+    root = tempfile.mkdtemp(prefix="oni-reward-overhead-")
+    batch = args.envs_per_worker * 32
+
+    # calibrate: how many frames fit in the budget
+    t0 = time.perf_counter()
+    probe_frames = batch * (args.warmup + 6)
+    probe_fps = run_once("none", probe_frames, args, root)
+    probe_wall = time.perf_counter() - t0
+    overhead_s = max(probe_wall - probe_frames / probe_fps, 1.0)  # start-up per run
+    per_run = max(args.seconds / (args.rounds * len(KINDS)) - overhead_s, 2.0)
+    frames = max(int(per_run * probe_fps * 0.8) // batch, args.warmup + 4) * batch
+
+    rates = {k: [] for k in KINDS}
+    for r in range(args.rounds):
+        for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
+            rates[kind].append(run_once(kind, frames, args, root))
+            print(f"  round {r + 1}/{args.rounds}  {kind:<15} {rates[kind][-1]:8,.0f} frames/s", flush=True)
+
+    fps = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"\nreward overhead: {args.workers} worker(s) × {args.envs_per_worker} games, {frames:,} frames "
+          f"per run, {args.rounds} rounds, scripted annotator, {os.cpu_count()} CPUs")
+    print(f"{'reward':<16}{'frames/s (median)':>20}{'vs none':>10}{'min..max':>22}")
+    for kind in KINDS:
+        lo, hi = min(rates[kind]), max(rates[kind])
+        print(f"{kind:<16}{fps[kind]:>20,.0f}{fps[kind] / fps['none']:>10.3f}{f'{lo:,.0f}..{hi:,.0f}':>22}")
+    result = {"frames_per_run": frames, "rounds": args.rounds, "workers": args.workers,
+              "envs_per_worker": args.envs_per_worker, "cpus": os.cpu_count()}
+    for kind in KINDS:
+        result[f"fps_{kind}"] = round(fps[kind], 1)
+    for kind in KINDS[1:]:
+        result[f"ratio_{kind}"] = round(fps[kind] / fps["none"], 4)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""oni-train --intrinsic-reward X end to end on CPU: labels land, rewards are logged, errors are one line."""
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from torchrl_oni.store import CaptionStore
+from torchrl_oni.train.cli import main
+from torchrl_oni.train.intrinsic import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
+from torchrl_oni.train.logging import read_metrics
+
+torch.set_num_threads(1)
+
+TINY = ["--frames", "1024", "--workers", "1", "--envs-per-worker", "4", "--rollout", "32",
+        "--minibatch-size", "64", "--no-progress", "--no-tensorboard", "--quiet"]
+
+
+def _run(tmp_path, *flags):
+    logdir = str(tmp_path / "run")
+    assert main([*TINY, "--logdir", logdir, *flags]) == 0
+    rows = read_metrics(logdir)
+    assert rows and rows[-1]["frames"] >= 1024
+    assert "reward/intrinsic_mean" in rows[-1] and "intrinsic/rewarded_fraction" in rows[-1]
+    top = os.path.join(logdir, TOP_MESSAGES_NAME)
+    assert os.path.isfile(top) and open(top).readline().startswith("# top rewarded messages")
+    return logdir, rows
+
+
+def _labelled_store(logdir):
+    store = CaptionStore.load(os.path.join(logdir, CAPTION_STORE_NAME))
+    stats = store.stats()
+    assert stats["size"] > 0
+    return store, stats
+
+
+def test_retrieval_scripted_labels_land_and_pay(tmp_path):
+    logdir, rows = _run(tmp_path, "--intrinsic-reward", "retrieval", "--annotator", "scripted", "--frames", "2048")
+    store, stats = _labelled_store(logdir)
+    assert stats["labelled"] == stats["size"]  # the scripted annotator never fails
+    assert 0 < stats["positives"] < stats["labelled"]
+    assert rows[-1]["labels/labelled"] > 0 and "annotation/labels_per_s" in rows[-1]
+    assert 0 <= rows[-1]["labels/positive_fraction"] <= 1
+    # whatever was paid came from labelled-helpful captions only
+    lines = [l for l in open(os.path.join(logdir, TOP_MESSAGES_NAME)) if not l.startswith("#")]
+    for line in lines:
+        assert float(line.split("\t")[2]) == 1.0
+
+
+def test_classification_trains_reward_model_between_iterations(tmp_path):
+    logdir, rows = _run(tmp_path, "--intrinsic-reward", "classification", "--annotator", "scripted",
+                        "--rm-steps-per-labels", "4", "--rm-batch-size", "32",
+                        "--rm-time-fraction", "0")
+    _, stats = _labelled_store(logdir)
+    assert stats["labelled"] > 0
+    assert max(r.get("reward_model/steps", 0) for r in rows) >= 4
+    assert any("reward_model/heldout_accuracy" in r or "reward_model/train_accuracy" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_ranking_pairs_are_annotated(tmp_path):
+    logdir, rows = _run(tmp_path, "--intrinsic-reward", "ranking", "--annotator", "scripted",
+                        "--rm-steps-per-labels", "4", "--rm-batch-size", "32", "--frames", "2048",
+                        "--rm-time-fraction", "0")
+    store, stats = _labelled_store(logdir)
+    assert stats["pairs_labelled"] > 0
+    assert stats["labelled"] == 0  # ranking asks for preferences, never single labels
+    pairs = store.sample_labelled_pairs(16)
+    assert bool((pairs["caption_hash_a"] != pairs["caption_hash_b"]).all())
+    assert max(r.get("reward_model/steps", 0) for r in rows) >= 4
+
+
+def test_bow_needs_no_llm(tmp_path):
+    logdir, rows = _run(tmp_path, "--intrinsic-reward", "bow", "--bow-vectors", "hashed", "--bow-threshold", "0.0")
+    assert not os.path.exists(os.path.join(logdir, CAPTION_STORE_NAME))
+    assert rows[-1]["reward/intrinsic_mean"] >= 0
+
+
+@pytest.mark.slow
+def test_motif_with_a_reward_model_trained_here(tmp_path):
+    from torchrl_oni.captions import encode_messages
+    from torchrl_oni.rewards.motif import collect_pairs, train_reward_model
+    from torchrl_oni.annotators import ScriptedAnnotator
+
+    texts = ["You kill the newt!", "You see here 5 gold pieces.", "It's a wall.", "Hello Agent, welcome to NetHack!",
+             "There is a staircase down here.", "You hear some noises.", "The grid bug bites!", ""]
+    first, second = collect_pairs(encode_messages(texts * 8), num_pairs=64, seed=0)
+    rules = ScriptedAnnotator()
+    from torchrl_oni.captions import decode_messages
+
+    prefs = np.array([rules.preference(a, b) for a, b in zip(decode_messages(first), decode_messages(second))],
+                     dtype=np.float32)
+    ckpt = tmp_path / "motif.pt"
+    train_reward_model(first, second, prefs, ckpt, epochs=2, batch_size=32, lr=1e-3)
+    logdir, rows = _run(tmp_path, "--intrinsic-reward", "motif", "--reward-model", str(ckpt))
+    assert rows[-1]["reward/intrinsic_nonzero"] >= 0
+
+
+@pytest.mark.slow
+def test_retrieval_with_the_embedded_smollm2_server(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from torchrl_oni.serve.models import TEST_MODEL, is_installed
+
+    if not is_installed(TEST_MODEL):
+        pytest.skip("the SmolLM2 model package is not installed")
+    logdir, rows = _run(tmp_path, "--intrinsic-reward", "retrieval", "--llm-model", TEST_MODEL,
+                        "--llm-batch-size", "32")
+    store, stats = _labelled_store(logdir)
+    assert stats["labelled"] > 0, stats  # the worker drains its in-flight batch at exit
+    assert {(p.annotator, p.model) for p in store.provenances} == {("openai", TEST_MODEL)}
+
+
+def test_caption_store_is_reused_so_labels_are_not_paid_twice(tmp_path):
+    store_path = str(tmp_path / "shared_captions.pt")
+    _run(tmp_path, "--intrinsic-reward", "retrieval", "--annotator", "scripted", "--caption-store", store_path)
+    before = CaptionStore.load(store_path).stats()["labelled"]
+    assert before > 0
+    # a second run (same seed, so the same opening messages) starts from the saved labels
+    tmp2 = tmp_path / "second"
+    tmp2.mkdir()
+    logdir, rows = _run(tmp2, "--intrinsic-reward", "retrieval", "--annotator", "scripted",
+                        "--caption-store", store_path)
+    after = CaptionStore.load(store_path).stats()["labelled"]
+    assert after >= before
+    assert rows[-1]["annotation/labels_total"] < after  # some labels were not asked for again
+
+
+def _dead_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_llm_url_is_one_error_line_and_exit_2(tmp_path):
+    url = f"http://127.0.0.1:{_dead_port()}/v1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchrl_oni.train", "--intrinsic-reward", "retrieval", "--llm-url", url,
+         "--llm-model", "m", "--logdir", str(tmp_path / "run"), *TINY],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("oni-train: error:") and "reach" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not os.path.exists(tmp_path / "run" / CAPTION_STORE_NAME)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--intrinsic-reward", "motif"], "--reward-model"),
+    (["--intrinsic-reward", "motif", "--reward-model", "/nonexistent/motif.pt"], "no reward checkpoint"),
+    (["--intrinsic-reward", "retrieval", "--llm-url", "http://127.0.0.1:1/v1"], "--llm-model"),
+    (["--intrinsic-reward", "bow", "--goal", "zero-knowledge"], "goal"),
+])
+def test_bad_intrinsic_settings_exit_2(tmp_path, capsys, flags, words):
+    with pytest.raises(SystemExit) as err:
+        main([*TINY, "--logdir", str(tmp_path / "run"), *flags])
+    assert err.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert message.count("\n") == 0 and words in message
+
+
+def test_reward_model_time_budget_spreads_owed_steps():
+    from torchrl_oni.train.intrinsic import _StepBudget
+
+    uncapped = _StepBudget(0.0, max_owed=100)
+    assert uncapped.steps_now(32) == 32  # ONI: every scheduled step at once
+    budget = _StepBudget(0.5, max_owed=64)
+    assert budget.steps_now(32) == 1  # first, measure what a step costs
+    budget.spent(1, 0.01)
+    # 0.14 s went by, 0.01 s of it reward-model training: half of the other 0.13 s is credit,
+    # less the 0.01 s the measured step already took -> 0.055 s = 5 steps of 10 ms
+    budget._last -= 0.14
+    n = budget.steps_now(0)
+    assert n == 5 and budget.owed == 31
+    budget.spent(n, 0.05)
+    assert budget.owed == 26
+    assert budget.steps_now(1000) == 0 and budget.owed == 64  # debt is capped

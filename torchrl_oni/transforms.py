@@ -1,0 +1,257 @@
+"""ONI's TorchRL transforms: annotate captions with an LLM, turn them into an intrinsic reward.
+
+* :class:`~torchrl_oni.annotation.LLMAnnotationTransform` (re-exported here) records the
+  captions it sees in a :class:`~torchrl_oni.store.CaptionStore` and has them labelled in the
+  background.
+* :class:`IntrinsicRewardTransform` writes ``("next", "intrinsic_reward")`` from any reward
+  source ``(messages uint8[N, 256], hashes int64[N]) -> float32[N]`` of
+  :mod:`torchrl_oni.rewards`, with Motif's per-episode count decay.
+
+Both work inside a :class:`~torchrl.envs.TransformedEnv` and on collected batches or
+replay-buffer samples. The trainer (:mod:`torchrl_oni.train`) applies them to each collected
+batch, which is where ONI computed its reward (at learn time, oni_spec §1.4).
+
+Example:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl_oni.captions import encode_messages, hash_messages
+    >>> from torchrl_oni.transforms import IntrinsicRewardTransform
+    >>> def kills_pay(messages, hashes):  # any (uint8[N,256], int64[N]) -> float32[N]
+    ...     return torch.tensor([float(bytes(m[:8].tolist()) == b"You kill") for m in messages])
+    >>> msgs = torch.from_numpy(encode_messages(["You kill the newt!", "You kill the newt!", "A wall."]))
+    >>> batch = TensorDict({"message": msgs, "caption_hash": torch.from_numpy(hash_messages(msgs)),
+    ...                     "msg_count": torch.tensor([1, 2, 1]),
+    ...                     ("next", "reward"): torch.zeros(3, 1)}, batch_size=[3])
+    >>> IntrinsicRewardTransform(kills_pay)(batch)["next", "intrinsic_reward"].squeeze(-1)
+    tensor([1.0000, 0.1250, 0.0000])
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from tensordict import TensorDictBase
+from torchrl.data import Composite, Unbounded
+from torchrl.envs.transforms import Transform
+
+from torchrl_oni.annotation import LLMAnnotationTransform
+from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_messages
+from torchrl_oni.rewards.scaling import RunningMeanStd, count_scale, threshold as threshold_values
+
+__all__ = ["IntrinsicRewardTransform", "LLMAnnotationTransform", "INTRINSIC_REWARD_KEY"]
+
+INTRINSIC_REWARD_KEY = "intrinsic_reward"
+_MESSAGE_CHOICES = ("acted", "next")
+
+RewardSource = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class IntrinsicRewardTransform(Transform):
+    """Writes ``("next", "intrinsic_reward")`` = ``f(R(m)) · msg_count ** -beta``.
+
+    ``R`` is a reward source of :mod:`torchrl_oni.rewards` (``RetrievalReward``,
+    ``ClassificationReward``, ``RankingReward``, ``MotifReward``, ``BoWReward``) or any
+    callable ``(messages uint8[N, 256], hashes int64[N]) -> float32[N]``. In order, the
+    transform:
+
+    1. reads the message, its hash and its per-episode count from the chosen observation;
+    2. calls ``R`` once on all of them (one vectorised call per batch);
+    3. optionally normalises with running statistics (``normalize=True``) and keeps only values
+       above ``threshold`` (ONI-Ranking's recipe);
+    4. multiplies by ``msg_count ** -beta`` (Motif's decay: 1, 1/8, 1/27... for ``beta=3``);
+    5. writes a float32 tensor shaped like the env reward (``[..., 1]``), declared in the
+       reward spec like TorchRL's ``RNDTransform``.
+
+    The reward is not mixed with the env reward here: the trainer does
+    ``extrinsic_coeff · clip(r) + intrinsic_coeff · intrinsic_reward``.
+
+    **Which message pays** (``message=``):
+
+    * ``"acted"`` (default, ONI's original): the message of the observation the action was
+      taken on (the root ``message``) and its root ``msg_count``. Each episode's reset message
+      is paid, a terminal message never is.
+    * ``"next"``: the message the action produced (``("next", "message")`` and its count), the
+      natural TorchRL reading; a death or success message is paid on the step that caused it.
+
+    ``caption_hash`` and ``msg_count`` may be ``[*B]`` (:class:`~torchrl_oni.envs.NLEBatchEnv`)
+    or ``[*B, 1]`` (``GymWrapper``-based envs). A missing hash is computed from the message; a
+    missing count counts as 1 (no decay).
+
+    Where it runs: in a ``TransformedEnv`` (single, ``SerialEnv`` or ``ParallelEnv``) the reward
+    is computed at step time; called on a batch or a replay-buffer sample it is (re)computed
+    from the stored observations, so labels that arrived since collection are used. A reward
+    source that holds a live store (retrieval, online reward models) belongs in the trainer
+    process, not in env worker processes.
+
+    Args:
+        reward: the reward source ``R``.
+
+    Keyword Args:
+        message (str): ``"acted"`` or ``"next"``, see above. Default ``"acted"``.
+        beta (float): count-decay exponent (3 in ONI/Motif; 0 disables the decay).
+        normalize (bool): normalise ``R`` with running mean/std (updated in training mode).
+        threshold (float, optional): values at or below it become 0 (after normalisation).
+        message_key, hash_key, count_key: the observation keys (defaults ``"message"``,
+            ``"caption_hash"``, ``"msg_count"``).
+        out_key (str): the reward entry written under ``"next"``. Default ``"intrinsic_reward"``.
+        dedupe (bool): call ``R`` once per distinct caption hash of the batch (a rollout repeats
+            a few dozen messages hundreds of times; every source here is a function of the
+            message). Default True.
+
+    Example:
+        >>> import torch
+        >>> from torchrl.envs import TransformedEnv
+        >>> from torchrl_oni.envs import NLEBatchEnv
+        >>> from torchrl_oni.rewards import BoWReward, HashedWordVectors
+        >>> bow = BoWReward("kill monsters, collect gold", vectors=HashedWordVectors(), threshold=0.0)
+        >>> env = TransformedEnv(NLEBatchEnv("score", num_envs=2, seed=0), IntrinsicRewardTransform(bow))
+        >>> td = env.rollout(4, break_when_any_done=False)
+        >>> td["next", "intrinsic_reward"].shape, td["next", "intrinsic_reward"].dtype
+        (torch.Size([2, 4, 1]), torch.float32)
+        >>> env.close()
+    """
+
+    def __init__(
+        self,
+        reward: RewardSource,
+        *,
+        message: str = "acted",
+        beta: float = 3.0,
+        normalize: bool = False,
+        threshold: Optional[float] = None,
+        message_key: str = MESSAGE_KEY,
+        hash_key: str = CAPTION_HASH_KEY,
+        count_key: str = MSG_COUNT_KEY,
+        out_key: str = INTRINSIC_REWARD_KEY,
+        dedupe: bool = True,
+    ):
+        if message not in _MESSAGE_CHOICES:
+            raise ValueError(f"message must be 'acted' or 'next', got {message!r}")
+        if beta < 0:
+            raise ValueError(f"beta must be >= 0, got {beta}")
+        super().__init__(in_keys=[message_key, hash_key, count_key], out_keys=[out_key])
+        self.reward = reward
+        self.message = message
+        self.beta = float(beta)
+        self.normalize = bool(normalize)
+        self.threshold = None if threshold is None else float(threshold)
+        self.message_key = message_key
+        self.hash_key = hash_key
+        self.count_key = count_key
+        self.out_key = out_key
+        self.dedupe = bool(dedupe)
+        self.stats = RunningMeanStd() if self.normalize else None
+        self.last_raw: Optional[torch.Tensor] = None  # R(m) of the last call, before decay
+
+    # ------------------------------------------------------------------ the computation
+    def compute(
+        self,
+        messages: torch.Tensor,
+        hashes: Optional[torch.Tensor] = None,
+        msg_count: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The intrinsic reward of each message, ``float32[N]`` (flat).
+
+        Args:
+            messages: ``uint8[..., 256]``.
+            hashes: ``int64[...]`` or ``[..., 1]`` (computed from the messages if ``None``).
+            msg_count: per-episode counts, same layout (no decay if ``None``).
+        """
+        flat = messages.reshape(-1, MESSAGE_LEN)
+        n = flat.shape[0]
+        if hashes is None:
+            hashes = torch.from_numpy(hash_messages(flat.cpu().numpy()))
+        hashes = hashes.reshape(-1)
+        if hashes.numel() != n:
+            raise ValueError(f"{self.hash_key} has {hashes.numel()} entries for {n} messages")
+        raw = self._raw_rewards(flat, hashes)
+        self.last_raw = raw
+        value = raw
+        if self.stats is not None:
+            if self.training:
+                self.stats.update(value)
+            value = self.stats.normalize(value).float()
+        if self.threshold is not None:
+            value = threshold_values(value, self.threshold)
+        if msg_count is not None and self.beta != 0.0:
+            counts = msg_count.reshape(-1)
+            if counts.numel() != n:
+                raise ValueError(f"{self.count_key} has {counts.numel()} entries for {n} messages")
+            value = count_scale(value, counts.cpu(), self.beta)
+        return value.float()
+
+    def _raw_rewards(self, flat: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
+        n = flat.shape[0]
+        if self.dedupe and n > 1:
+            unique, inverse = torch.unique(hashes, return_inverse=True)
+            first = torch.full((len(unique),), n, dtype=torch.int64, device=hashes.device)
+            first.scatter_reduce_(0, inverse, torch.arange(n, device=hashes.device), reduce="amin")
+            values = torch.as_tensor(self.reward(flat[first], unique), dtype=torch.float32).reshape(-1).cpu()
+            if values.numel() != len(unique):
+                raise ValueError(f"the reward source returned {values.numel()} values for {len(unique)} messages")
+            return values[inverse.cpu()]
+        raw = torch.as_tensor(self.reward(flat, hashes), dtype=torch.float32).reshape(-1).cpu()
+        if raw.numel() != n:
+            raise ValueError(f"the reward source returned {raw.numel()} values for {n} messages")
+        return raw
+
+    def _source(self, root: TensorDictBase, nxt: TensorDictBase) -> TensorDictBase:
+        return root if self.message == "acted" else nxt
+
+    def _write(self, source: TensorDictBase, target: TensorDictBase, shape_hint: Optional[torch.Size]) -> None:
+        messages = source.get(self.message_key, None)
+        if messages is None:
+            where = "the root" if self.message == "acted" else "'next'"
+            raise KeyError(f"{type(self).__name__}: no '{self.message_key}' in {where} of the tensordict "
+                           f"(message={self.message!r})")
+        value = self.compute(messages, source.get(self.hash_key, None), source.get(self.count_key, None))
+        device = messages.device
+        if shape_hint is not None and int(torch.Size(shape_hint).numel()) == value.numel():
+            shape = shape_hint
+        else:
+            shape = messages.shape[:-1] + (1,)
+        target.set(self.out_key, value.reshape(shape).to(device))
+
+    # ------------------------------------------------------------------ TorchRL hooks
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        reward = next_tensordict.get("reward", None)
+        self._write(self._source(tensordict, next_tensordict), next_tensordict,
+                    None if reward is None else reward.shape)
+        return next_tensordict
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        return tensordict_reset
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """On a collected batch or replay-buffer sample (root + ``"next"``)."""
+        nxt = tensordict.get("next", None)
+        if nxt is None:
+            raise KeyError(f"{type(self).__name__} needs a transition with a 'next' entry")
+        reward = nxt.get("reward", None)
+        self._write(self._source(tensordict, nxt), nxt, None if reward is None else reward.shape)
+        return tensordict
+
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return tensordict  # writing to a replay buffer stores the data unchanged
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        shape, device = reward_spec.shape + (1,), reward_spec.device
+        for key in reward_spec.keys(True, True):
+            if key != self.out_key:
+                shape, device = reward_spec[key].shape, reward_spec[key].device
+                break
+        reward_spec[self.out_key] = Unbounded(shape=shape, dtype=torch.float32, device=device)
+        return reward_spec
+
+    # ------------------------------------------------------------------ checkpoints
+    def get_extra_state(self) -> dict:
+        """The running statistics travel in ``state_dict()`` (nn.Module's extra-state hook)."""
+        return {"stats": self.stats.state_dict() if self.stats is not None else None}
+
+    def set_extra_state(self, state: dict) -> None:
+        if state and state.get("stats") is not None and self.stats is not None:
+            self.stats.load_state_dict(state["stats"])
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(reward={type(self.reward).__name__}, message={self.message!r}, "
+                f"beta={self.beta:g}, normalize={self.normalize}, threshold={self.threshold})")
