@@ -124,7 +124,10 @@ def main(argv=None):
         td.set("action", env.action_spec.rand())
         return td
 
-    trained_eps = rollout_episodes(env, actor, args.episodes)
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+    with set_exploration_type(ExplorationType.RANDOM):  # sample actions, as during training
+        trained_eps = rollout_episodes(env, actor, args.episodes)
     random_eps = rollout_episodes(env, random_policy, args.episodes)
     env.close()
 
