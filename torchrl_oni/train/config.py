@@ -19,7 +19,7 @@ class TrainConfig:
     task: str = "score"
     frames: int = 300_000
     workers: int = 2
-    envs_per_worker: int = 16
+    envs_per_worker: int = 32
     rollout: int = 32  # steps per env per collected batch (ONI: 32)
     seed: int = 0
     logdir: str = "runs/oni"
