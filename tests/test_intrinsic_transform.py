@@ -176,3 +176,26 @@ def test_llm_annotation_transform_is_reexported():
     from torchrl_oni.annotation import LLMAnnotationTransform as original
 
     assert LLMAnnotationTransform is original
+
+
+def test_combine_rewards_in_a_transformed_env_mixes_with_clip():
+    from torchrl.envs import Compose, TransformedEnv
+    from torchrl.envs.utils import check_env_specs
+
+    from torchrl_oni.envs import NLEBatchEnv
+    from torchrl_oni.transforms import CombineRewards, IntrinsicRewardTransform
+
+    def every_message_pays(messages, hashes):
+        return torch.ones(messages.shape[0])
+
+    env = TransformedEnv(
+        NLEBatchEnv("score", num_envs=2, seed=0),
+        Compose(IntrinsicRewardTransform(every_message_pays, message="next"), CombineRewards(0.1, 0.5, extrinsic_clip=1.0)),
+    )
+    check_env_specs(env)
+    td = env.rollout(30, break_when_any_done=False)
+    env.close()
+    ext = td["next", "extrinsic_reward"]
+    expected = 0.1 * ext.clamp(-1.0, 1.0) + 0.5 * td["next", "intrinsic_reward"]
+    assert torch.allclose(td["next", "reward"], expected)
+    assert (td["next", "intrinsic_reward"] > 0).all()

@@ -38,7 +38,7 @@ from torchrl_oni.annotation import LLMAnnotationTransform
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_messages
 from torchrl_oni.rewards.scaling import RunningMeanStd, count_scale, threshold as threshold_values
 
-__all__ = ["IntrinsicRewardTransform", "LLMAnnotationTransform", "INTRINSIC_REWARD_KEY"]
+__all__ = ["IntrinsicRewardTransform", "LLMAnnotationTransform", "CombineRewards", "INTRINSIC_REWARD_KEY"]
 
 INTRINSIC_REWARD_KEY = "intrinsic_reward"
 _MESSAGE_CHOICES = ("acted", "next")
@@ -255,3 +255,62 @@ class IntrinsicRewardTransform(Transform):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(reward={type(self.reward).__name__}, message={self.message!r}, "
                 f"beta={self.beta:g}, normalize={self.normalize}, threshold={self.threshold})")
+
+
+class CombineRewards(Transform):
+    """Mixes the env reward and the intrinsic reward into the reward PPO optimises.
+
+    ``("next", "reward") = extrinsic_coeff · clip(r_env, ±extrinsic_clip) + intrinsic_coeff · r_int``;
+    the env's own reward is kept in ``("next", "extrinsic_reward")``. ONI clips the env reward to
+    ±10 before the coefficient and never clips or scales the intrinsic term (``extrinsic_clip=None``
+    turns clipping off). Put it after :class:`IntrinsicRewardTransform`, on collected batches or in
+    a ``TransformedEnv``; ``oni-train`` applies the same mix to each batch.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl_oni.transforms import CombineRewards
+        >>> batch = TensorDict({("next", "reward"): torch.tensor([[50.0], [-1.0]]),
+        ...                     ("next", "intrinsic_reward"): torch.tensor([[1.0], [0.0]])}, batch_size=[2])
+        >>> CombineRewards(extrinsic_coeff=0.1, intrinsic_coeff=0.4)(batch)["next", "reward"].squeeze(-1)
+        tensor([ 1.4000, -0.1000])
+    """
+
+    def __init__(self, extrinsic_coeff: float = 1.0, intrinsic_coeff: float = 0.0,
+                 extrinsic_clip: Optional[float] = 10.0, intrinsic_key=INTRINSIC_REWARD_KEY):
+        super().__init__(in_keys=["reward", intrinsic_key], out_keys=["reward", "extrinsic_reward"])
+        self.extrinsic_coeff = float(extrinsic_coeff)
+        self.intrinsic_coeff = float(intrinsic_coeff)
+        self.extrinsic_clip = extrinsic_clip
+        self.intrinsic_key = intrinsic_key
+
+    def mix(self, next_td: TensorDictBase) -> TensorDictBase:
+        from torchrl_oni.rewards.scaling import combine_rewards
+
+        ext = next_td.get("reward")
+        intrinsic = next_td.get(self.intrinsic_key, None)
+        if intrinsic is None or self.intrinsic_coeff == 0.0:
+            intrinsic = torch.zeros_like(ext)
+        next_td.set("extrinsic_reward", ext)
+        next_td.set("reward", combine_rewards(ext, intrinsic, self.extrinsic_coeff, self.intrinsic_coeff,
+                                              self.extrinsic_clip))
+        return next_td
+
+    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return self.mix(next_tensordict)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        nxt = tensordict.get("next", None)
+        if nxt is None:
+            return self.mix(tensordict)
+        self.mix(nxt)
+        return tensordict
+
+    def _reset(self, tensordict, tensordict_reset):
+        return tensordict_reset
+
+    def transform_reward_spec(self, reward_spec):
+        ref = reward_spec["reward"] if "reward" in reward_spec.keys() else None
+        if ref is not None:
+            reward_spec["extrinsic_reward"] = ref.clone()
+        return reward_spec

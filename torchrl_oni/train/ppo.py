@@ -243,18 +243,10 @@ class Trainer:
     # ------------------------------------------------------------------ rewards
     def shape_reward(self, batch: TensorDictBase) -> TensorDictBase:
         """Writes the reward PPO optimises; keeps the env's own in ``extrinsic_reward``."""
+        from ..transforms import CombineRewards
+
         cfg = self.cfg
-        ext = batch.get(("next", "reward"))
-        batch.set(("next", "extrinsic_reward"), ext)
-        shaped = ext
-        if cfg.extrinsic_clip is not None:
-            shaped = shaped.clamp(-cfg.extrinsic_clip, cfg.extrinsic_clip)
-        shaped = cfg.extrinsic_coeff * shaped
-        intrinsic = batch.get(("next", "intrinsic_reward"), None)
-        if intrinsic is not None and cfg.intrinsic_coeff != 0.0:
-            shaped = shaped + cfg.intrinsic_coeff * intrinsic.reshape(shaped.shape).to(shaped.dtype)
-        batch.set(("next", "reward"), shaped)
-        return batch
+        return CombineRewards(cfg.extrinsic_coeff, cfg.intrinsic_coeff, cfg.extrinsic_clip)(batch)
 
     # ------------------------------------------------------------------ learning
     def _ppo_update(self, batch: TensorDictBase) -> Dict[str, float]:
