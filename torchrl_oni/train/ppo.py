@@ -310,7 +310,8 @@ class Trainer:
             config=cfg.to_dict(),
             resume=bool(cfg.resume),
         )
-        collector = self._make_collector(total_frames=remaining)
+        per_batch = cfg.frames_per_batch
+        collector = self._make_collector(total_frames=-(-remaining // per_batch) * per_batch)
         bar = None
         if cfg.progress:
             from tqdm.auto import tqdm
