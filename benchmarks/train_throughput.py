@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-import torch
+
 
 
 class _TimeLimit:

@@ -364,7 +364,7 @@ def test_crop_is_centred_on_the_agent_and_blank_off_map():
     crops, bl = td["crop"].reshape(-1, 2, 9, 9), td["blstats"].reshape(-1, 27)
     assert (crops[:, 0, 4, 4] == ord("@")).float().mean() > 0.9  # the agent (a Monk) at the centre
     for crop, b in zip(crops, bl):
-        x, y = int(b[0]), int(b[1])
+        y = int(b[1])
         for r in range(9):
             if not 0 <= y - 4 + r < 21:
                 assert (crop[0, r] == ord(" ")).all() and (crop[1, r] == 0).all()

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import astuple
@@ -64,6 +63,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer
 
+from torchrl_oni.atomic import atomic_write
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_messages, hash_messages
 
@@ -843,31 +843,8 @@ class CaptionStore:
         previous file or the new one, never a torn file. The lock is held only while copying
         the rows, not while writing, so the trainer keeps running.
         """
-        path = Path(path)
-        folder = path.parent if str(path.parent) else Path(".")
-        folder.mkdir(parents=True, exist_ok=True)
         snapshot = self._snapshot()
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                _write_snapshot(snapshot, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_name, path)
-        except BaseException:
-            try:
-                os.unlink(tmp_name)
-            except OSError:
-                pass
-            raise
-        try:  # make the rename itself durable (POSIX); harmless where unsupported
-            dir_fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError:
-            pass
+        path = atomic_write(path, lambda f: _write_snapshot(snapshot, f))
         return path
 
     @classmethod

@@ -165,7 +165,7 @@ class NLEBatchEnv(EnvBase):
 
     # ------------------------------------------------------------------ core loop
     def _empty_state(self) -> dict:
-        K, C = self.num_envs, self.crop_size
+        K = self.num_envs
         return {
             "message": np.empty((K, MESSAGE_LEN), np.uint8),
             "blstats": np.empty((K, 27), np.int64),

@@ -96,8 +96,6 @@ class EpisodeInfoReader(BaseInfoDictReader):
 
     @property
     def info_spec(self):
-        from torchrl.data import Composite
-
         return {("episode", k): Unbounded((), dtype=torch.int64) for k in self.KEYS}
 
 

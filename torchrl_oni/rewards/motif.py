@@ -42,15 +42,14 @@ import hashlib
 import importlib
 import inspect
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
+from torchrl_oni.atomic import atomic_write
 from torchrl_oni.captions import MESSAGE_LEN, decode_message, encode_messages, hash_messages
 from torchrl_oni.rewards.models import MessageRewardModel, as_message_tensor
 from torchrl_oni.rewards.ranking import UniqueCaptionPairSampler, bradley_terry_loss, pairwise_accuracy
@@ -116,19 +115,7 @@ def _fingerprint(first: np.ndarray, second: np.ndarray) -> str:
 
 
 def _save_npz_atomic(path: Path, **arrays) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp.npz", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def load_annotations(path) -> dict:
@@ -351,11 +338,7 @@ def train_reward_model(
                    "val_fraction": float(val_fraction), "seed": int(seed)},
     }
     if out_path is not None:
-        out_path = Path(out_path)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_path.with_name(out_path.name + ".tmp")
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, out_path)
+        atomic_write(out_path, lambda f: torch.save(checkpoint, f))
     return checkpoint
 
 

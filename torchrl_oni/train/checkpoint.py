@@ -11,9 +11,10 @@ Example:
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
+
+from ..atomic import atomic_write
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CHECKPOINT_NAME"]
 
@@ -22,19 +23,7 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 def save_checkpoint(state: dict, path: str) -> None:
     """Writes ``state`` to a temporary file beside ``path``, fsyncs it, then renames it over."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: str) -> dict:

@@ -38,8 +38,7 @@ from typing import Tuple
 import torch
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
-from torchrl.modules import GRUModule, MLP, ProbabilisticActor, ValueOperator
-from torchrl.modules.distributions import MaskedCategorical  # noqa: F401  (documented alternative)
+from torchrl.modules import GRUModule, ProbabilisticActor
 
 __all__ = ["BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "POLICY_IN_KEYS"]
 
