@@ -74,11 +74,15 @@ def test_shaped_reward_uses_coefficients_and_clip(tmp_path):
 
 
 @pytest.mark.slow
-def test_recurrent_oni_policy_trains(tmp_path):
-    cfg = _cfg(tmp_path, arch="oni", frames=512, rollout=16, minibatch_size=64, lr=1e-4)
-    summary = Trainer(cfg).train()
+@pytest.mark.parametrize("arch", ["oni", "oni-lstm"])
+def test_recurrent_policies_train(tmp_path, arch):
+    cfg = _cfg(tmp_path, arch=arch, frames=512, rollout=16, minibatch_size=64, lr=1e-4)
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.actor.state_dict().items()}
+    summary = trainer.train()
     assert summary["frames"] >= 512
     assert "train/loss_objective" in summary
+    assert any(not torch.equal(before[k], v) for k, v in trainer.actor.state_dict().items())
 
 
 def _cli(*args, timeout=120):

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logdir", default=d.logdir, help="run folder: metrics.csv, tensorboard/, checkpoint.pt (default: %(default)s)")
     p.add_argument("--device", default=d.device, help="learner device: auto, cpu, cuda, cuda:1 (default: %(default)s)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="hyper-parameter preset; 'oni' = the paper's optimiser settings and GRU policy")
-    p.add_argument("--arch", choices=["light", "oni"], default=None, help="policy network (default: light)")
+    p.add_argument("--arch", choices=["light", "oni", "oni-lstm"], default=None,
+                   help="policy network: light (default), oni (ONI's GRU policy), oni-lstm")
     p.add_argument("--extrinsic-coeff", type=float, default=d.extrinsic_coeff)
     p.add_argument("--intrinsic-coeff", type=float, default=None, help="default: 0 with --intrinsic-reward none, else 0.4")
     p.add_argument("--intrinsic-reward", choices=INTRINSIC_REWARDS, default=d.intrinsic_reward)

@@ -24,7 +24,7 @@ class TrainConfig:
     seed: int = 0
     logdir: str = "runs/oni"
     device: str = "auto"  # learner device; env workers always run on CPU
-    arch: str = "light"  # light | oni
+    arch: str = "light"  # light | oni (GRU core) | oni-lstm
     # rewards
     extrinsic_coeff: float = 1.0
     intrinsic_coeff: float = 0.0
@@ -107,7 +107,7 @@ class TrainConfig:
             (self.frames >= self.frames_per_batch,
              f"--frames ({self.frames}) is smaller than one batch "
              f"(envs-per-worker × rollout = {self.frames_per_batch})"),
-            (self.arch in ("light", "oni"), f"unknown --arch {self.arch!r} (light or oni)"),
+            (self.arch in ("light", "oni", "oni-lstm"), f"unknown --arch {self.arch!r} (light, oni or oni-lstm)"),
             (self.intrinsic_reward in INTRINSIC_REWARDS,
              f"unknown --intrinsic-reward {self.intrinsic_reward!r} ({', '.join(INTRINSIC_REWARDS)})"),
             (self.lr > 0, "--lr must be positive"),

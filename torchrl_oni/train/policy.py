@@ -38,11 +38,13 @@ from typing import Tuple
 import torch
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
-from torchrl.modules import GRUModule, ProbabilisticActor
+from torchrl.modules import GRUModule, LSTMModule, ProbabilisticActor
 
-__all__ = ["BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "POLICY_IN_KEYS"]
+__all__ = ["ARCHS", "BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "POLICY_IN_KEYS"]
 
 POLICY_IN_KEYS = ["crop", "blstats", "message"]
+RECURRENT_ARCHS = ("oni", "oni-lstm")
+ARCHS = ("light",) + RECURRENT_ARCHS
 
 # blstats scaling after ONI §5.1 (index: scale); unlisted stats (score, depth, monster level,
 # dungeon number/level, condition, alignment) are scaled to 0. Clipped to ±5 after scaling.
@@ -160,7 +162,8 @@ def make_actor_critic(
 
     Args:
         env: an env exposing ``action_spec`` (categorical) and a ``crop`` observation.
-        arch: ``"light"`` (feed-forward, fast on CPU) or ``"oni"`` (ONI §5.2 with a GRU core).
+        arch: ``"light"`` (feed-forward, fast on CPU), ``"oni"`` (ONI §5.2 with a GRU core) or
+            ``"oni-lstm"`` (the same with an LSTM core).
         value_heads: 1 (one value for the combined reward) or 2 (extrinsic and intrinsic).
         hidden: width of the light net's MLP.
     """
@@ -184,18 +187,14 @@ def make_actor_critic(
             TensorDictModule(_SplitValues(value_heads), in_keys=["_values"], out_keys=value_keys),
         )
         return actor, critic
-    if arch == "oni":
+    if arch in RECURRENT_ARCHS:
         encoder = ONIEncoder(crop_size)
         _orthogonal_init(encoder)
-        gru = GRUModule(
-            input_size=encoder.out_dim,
-            hidden_size=512,
-            in_key="features",
-            out_key="core",
-        )
+        core_cls = GRUModule if arch == "oni" else LSTMModule
+        core = core_cls(input_size=encoder.out_dim, hidden_size=512, in_key="features", out_key="core")
         common = TensorDictSequential(
             TensorDictModule(encoder, in_keys=POLICY_IN_KEYS, out_keys=["features"]),
-            gru,
+            core,
         )
         policy_head = nn.Linear(512, n_actions)
         value_head = nn.Linear(512, value_heads)
@@ -211,12 +210,12 @@ def make_actor_critic(
             TensorDictModule(_SplitValues(value_heads), in_keys=["_values"], out_keys=value_keys),
         )
         return actor, critic
-    raise ValueError(f"unknown policy architecture {arch!r}; choose 'light' or 'oni'")
+    raise ValueError(f"unknown policy architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
 def recurrent_primer(actor):
-    """The ``TensorDictPrimer`` an env needs for the ONI policy's GRU state (None for light)."""
+    """The ``TensorDictPrimer`` an env needs for a recurrent policy's state (None for light)."""
     for m in actor.modules():
-        if isinstance(m, GRUModule):
+        if isinstance(m, (GRUModule, LSTMModule)):
             return m.make_tensordict_primer()
     return None

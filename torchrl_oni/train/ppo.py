@@ -41,7 +41,7 @@ from ..envs.batched import EPISODE_STATS, NLEBatchEnv
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .logging import EpisodeWindow, RunLogger
-from .policy import make_actor_critic, recurrent_primer
+from .policy import RECURRENT_ARCHS, make_actor_critic, recurrent_primer
 
 __all__ = ["Trainer", "TrainHook", "make_env_factory", "resolve_device"]
 
@@ -144,7 +144,7 @@ class Trainer:
         # a throw-away env gives the specs the networks are built from
         probe = make_env_factory(cfg, 0)()
         self.actor, self.critic = make_actor_critic(probe, arch=cfg.arch)
-        self.recurrent = cfg.arch == "oni"
+        self.recurrent = cfg.arch in RECURRENT_ARCHS
         self.primer_spec = None
         if self.recurrent:
             primer = recurrent_primer(self.actor)
