@@ -37,13 +37,12 @@ Example:
 from __future__ import annotations
 
 import copy
-import threading
 from typing import Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 from torch import nn
 
-from torchrl_oni.rewards.models import MessageClassifier, as_message_tensor
+from torchrl_oni.rewards.models import MessageClassifier, ServedModel, as_message_tensor
 
 __all__ = [
     "LabelledCaptions",
@@ -128,7 +127,7 @@ def labelled_arrays(store) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     raise TypeError(f"{type(store).__name__} has neither labelled() nor labelled_data()")
 
 
-class ClassificationReward:
+class ClassificationReward(ServedModel):
     """``R(m) = 1[P(helpful | m) > threshold]`` from a :class:`MessageClassifier`.
 
     Args:
@@ -145,51 +144,23 @@ class ClassificationReward:
         device: Optional[torch.device] = None,
         chunk_size: int = 8192,
     ):
-        model = MessageClassifier() if model is None else model
-        if device is None:
-            device = next(model.parameters()).device
-        self.device = torch.device(device)
+        super().__init__(MessageClassifier() if model is None else model, device, chunk_size)
         self.threshold = float(threshold)
-        self.chunk_size = int(chunk_size)
-        self._lock = threading.Lock()
-        self._model = model.to(self.device).eval()
 
-    @property
-    def model(self) -> nn.Module:
-        """The network currently serving rewards (do not train it in place; see swap_model)."""
-        return self._model
-
-    def swap_model(self, model: nn.Module) -> None:
-        """Atomically replaces the serving network (callers hand over a copy they no longer touch)."""
-        model = model.to(self.device).eval()
-        with self._lock:
-            self._model = model
-
-    @torch.no_grad()
     def helpful_probability(self, messages: torch.Tensor) -> torch.Tensor:
         """``float32[N]`` P(helpful) for each message."""
-        with self._lock:
-            model = self._model
-        messages = as_message_tensor(messages).reshape(-1, 256)
-        out = [
-            model.helpful_probability(chunk.to(self.device)).float().cpu()
-            for chunk in messages.split(self.chunk_size)
-        ]
-        return torch.cat(out) if out else torch.zeros(0)
+        return self._apply(messages, lambda model, chunk: model.helpful_probability(chunk))
 
     def __call__(self, messages: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
         """``(uint8[N,256], int64[N]) -> float32[N]`` in {0, 1}, before count scaling."""
         return (self.helpful_probability(messages) > self.threshold).float()
 
     def state_dict(self) -> dict:
-        with self._lock:
-            return {"model": copy.deepcopy(self._model.state_dict()), "threshold": self.threshold}
+        return {"model": self._model_state(), "threshold": self.threshold}
 
     def load_state_dict(self, state: dict) -> None:
-        model = copy.deepcopy(self._model)
-        model.load_state_dict(state["model"])
         self.threshold = float(state.get("threshold", self.threshold))
-        self.swap_model(model)
+        self._load_model_state(state["model"])
 
 
 class ClassifierTrainer:

@@ -167,3 +167,56 @@ class MessageRewardModel(nn.Module):
 
     def forward(self, messages: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(messages)).squeeze(-1)
+
+
+class ServedModel:
+    """A network that serves rewards while a trainer updates a private copy of it.
+
+    Readers take the current network under a lock and run it without holding the lock; the
+    trainer hands over a fresh copy with :meth:`swap_model` (one reference assignment), so a
+    reward computed in another thread always sees one complete set of weights and never waits
+    for a gradient step.
+    """
+
+    def __init__(self, model: nn.Module, device=None, chunk_size: int = 8192):
+        import threading
+
+        if device is None:
+            device = next(model.parameters()).device
+        self.device = torch.device(device)
+        self.chunk_size = int(chunk_size)
+        self._lock = threading.Lock()
+        self._model = model.to(self.device).eval()
+
+    @property
+    def model(self) -> nn.Module:
+        """The network currently serving rewards (do not train it in place; see swap_model)."""
+        return self._model
+
+    def swap_model(self, model: nn.Module) -> None:
+        """Atomically replaces the serving network with a copy the caller no longer touches."""
+        model = model.to(self.device).eval()
+        with self._lock:
+            self._model = model
+
+    @torch.no_grad()
+    def _apply(self, messages, fn) -> torch.Tensor:
+        """``fn(model, chunk)`` over the messages in chunks → ``float32[N]`` on the CPU."""
+        with self._lock:
+            model = self._model
+        messages = as_message_tensor(messages).reshape(-1, 256)
+        out = [fn(model, chunk.to(self.device)).float().cpu() for chunk in messages.split(self.chunk_size)]
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def _model_state(self) -> dict:
+        import copy
+
+        with self._lock:
+            return copy.deepcopy(self._model.state_dict())
+
+    def _load_model_state(self, state: dict) -> None:
+        import copy
+
+        model = copy.deepcopy(self._model)
+        model.load_state_dict(state)
+        self.swap_model(model)

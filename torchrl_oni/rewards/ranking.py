@@ -38,7 +38,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import threading
 from typing import Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
@@ -47,7 +46,7 @@ from torch import nn
 
 from torchrl_oni.captions import MESSAGE_LEN
 from torchrl_oni.rewards.classification import RewardModelSchedule
-from torchrl_oni.rewards.models import MessageRewardModel, as_message_tensor
+from torchrl_oni.rewards.models import MessageRewardModel, ServedModel, as_message_tensor
 from torchrl_oni.rewards.scaling import RunningMeanStd, threshold as threshold_values
 
 __all__ = [
@@ -99,7 +98,7 @@ def _pair_arrays(batch):
     return batch["message_a"], batch["message_b"], batch["preference"]
 
 
-class RankingReward:
+class RankingReward(ServedModel):
     """Normalised, thresholded score of a :class:`MessageRewardModel`.
 
     Args:
@@ -122,36 +121,15 @@ class RankingReward:
         device: Optional[torch.device] = None,
         chunk_size: int = 8192,
     ):
-        model = MessageRewardModel() if model is None else model
-        if device is None:
-            device = next(model.parameters()).device
-        self.device = torch.device(device)
+        super().__init__(MessageRewardModel() if model is None else model, device, chunk_size)
         self.threshold = float(threshold)
         self.normalize = bool(normalize)
         self.update_stats = bool(update_stats)
-        self.chunk_size = int(chunk_size)
         self.stats = RunningMeanStd()
-        self._lock = threading.Lock()
-        self._model = model.to(self.device).eval()
 
-    @property
-    def model(self) -> nn.Module:
-        return self._model
-
-    def swap_model(self, model: nn.Module) -> None:
-        """Atomically replaces the serving network with a copy the caller no longer touches."""
-        model = model.to(self.device).eval()
-        with self._lock:
-            self._model = model
-
-    @torch.no_grad()
     def scores(self, messages: torch.Tensor) -> torch.Tensor:
         """Raw scores ``g(m)``, ``float32[N]``."""
-        with self._lock:
-            model = self._model
-        messages = as_message_tensor(messages).reshape(-1, MESSAGE_LEN)
-        out = [model(c.to(self.device)).float().cpu() for c in messages.split(self.chunk_size)]
-        return torch.cat(out) if out else torch.zeros(0)
+        return self._apply(messages, lambda model, chunk: model(chunk))
 
     def __call__(self, messages: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
         """``(uint8[N,256], int64[N]) -> float32[N]``, before count scaling."""
@@ -163,16 +141,12 @@ class RankingReward:
         return threshold_values(self.stats.normalize(raw).float(), self.threshold)
 
     def state_dict(self) -> dict:
-        with self._lock:
-            model_state = copy.deepcopy(self._model.state_dict())
-        return {"model": model_state, "stats": self.stats.state_dict(), "threshold": self.threshold}
+        return {"model": self._model_state(), "stats": self.stats.state_dict(), "threshold": self.threshold}
 
     def load_state_dict(self, state: dict) -> None:
-        model = copy.deepcopy(self._model)
-        model.load_state_dict(state["model"])
         self.stats.load_state_dict(state["stats"])
         self.threshold = float(state.get("threshold", self.threshold))
-        self.swap_model(model)
+        self._load_model_state(state["model"])
 
 
 class RankingTrainer:
