@@ -66,6 +66,7 @@ def test_shaped_reward_uses_coefficients_and_clip(tmp_path):
 
     trainer = Trainer.__new__(Trainer)
     trainer.cfg = _cfg(tmp_path, extrinsic_coeff=0.1, intrinsic_coeff=0.5, intrinsic_reward="retrieval", extrinsic_clip=10.0)
+    trainer.value_heads = 1
     batch = TensorDict({("next", "reward"): torch.tensor([[50.0], [-1.0]]),
                         ("next", "intrinsic_reward"): torch.tensor([[1.0], [0.0]])}, batch_size=[2])
     trainer.shape_reward(batch)
@@ -131,3 +132,36 @@ def test_wandb_offline_logging_needs_no_network(tmp_path, monkeypatch):
     assert runs, os.listdir(os.path.join(cfg.logdir, "wandb"))
     files = os.listdir(os.path.join(cfg.logdir, "wandb", runs[0]))
     assert any(f.endswith(".wandb") for f in files), files
+
+
+class _ParityReward:
+    """A stand-in intrinsic reward: 1 for captions with an odd hash."""
+
+    def on_batch(self, batch, trainer):
+        h = batch.get(("next", "caption_hash"))
+        batch.set(("next", "intrinsic_reward"), (h % 2).float().reshape(*batch.shape, 1))
+        return batch
+
+
+def test_two_value_heads_each_learn_their_own_return(tmp_path):
+    cfg = _cfg(tmp_path, frames=1024, value_heads=2, intrinsic_reward="retrieval", intrinsic_coeff=0.5)
+    trainer = Trainer(cfg, hooks=[_ParityReward()])
+    head = [m for m in trainer.critic.modules() if isinstance(m, torch.nn.Linear)][-1]
+    before = head.weight.detach().clone()
+    batches = []
+    original = trainer._ppo_update
+
+    def spy(batch):
+        out = original(batch)
+        batches.append(batch)
+        return out
+
+    trainer._ppo_update = spy
+    summary = trainer.train()
+    assert summary["frames"] >= 1024 and "train/loss_critic" in summary
+    last = batches[-1]
+    assert torch.allclose(last["advantage"], last["advantage_ext"] + last["advantage_int"])
+    assert torch.allclose(last["next", "reward_int"], 0.5 * last["next", "intrinsic_reward"])
+    assert not torch.equal(last["value_target_ext"], last["value_target_int"])
+    changed = (head.weight.detach() - before).abs().sum(-1)
+    assert (changed > 0).all(), "both value heads should be trained"

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="hyper-parameter preset; 'oni' = the paper's optimiser settings and GRU policy")
     p.add_argument("--arch", choices=["light", "oni", "oni-lstm"], default=None,
                    help="policy network: light (default), oni (ONI's GRU policy), oni-lstm")
+    p.add_argument("--value-heads", type=int, choices=[1, 2], default=d.value_heads,
+                   help="1: one value of the mixed reward (ONI); 2: separate extrinsic/intrinsic heads and GAEs")
     p.add_argument("--extrinsic-coeff", type=float, default=d.extrinsic_coeff)
     p.add_argument("--intrinsic-coeff", type=float, default=None, help="default: 0 with --intrinsic-reward none, else 0.4")
     p.add_argument("--intrinsic-reward", choices=INTRINSIC_REWARDS, default=d.intrinsic_reward)
@@ -122,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     cfg = TrainConfig()
     for key, value in PRESETS[args.preset].items():
         setattr(cfg, key, value)
-    direct = ["task", "frames", "workers", "envs_per_worker", "rollout", "seed", "logdir", "device",
+    direct = ["value_heads", "task", "frames", "workers", "envs_per_worker", "rollout", "seed", "logdir", "device",
               "extrinsic_coeff", "intrinsic_reward", "llm_url", "timeout_as_termination",
               "max_episode_steps", "ppo_epochs", "checkpoint_every", "resume", "wandb", "wandb_mode",
               "llm_model", "annotator", "llm_prompt", "llm_batch_size", "llm_concurrency", "goal", "caption_store",

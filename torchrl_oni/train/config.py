@@ -25,6 +25,7 @@ class TrainConfig:
     logdir: str = "runs/oni"
     device: str = "auto"  # learner device; env workers always run on CPU
     arch: str = "light"  # light | oni (GRU core) | oni-lstm
+    value_heads: int = 1  # 1: one value of the mixed reward; 2: extrinsic and intrinsic heads
     # rewards
     extrinsic_coeff: float = 1.0
     intrinsic_coeff: float = 0.0
@@ -107,6 +108,7 @@ class TrainConfig:
             (self.frames >= self.frames_per_batch,
              f"--frames ({self.frames}) is smaller than one batch "
              f"(envs-per-worker × rollout = {self.frames_per_batch})"),
+            (self.value_heads in (1, 2), "--value-heads must be 1 or 2"),
             (self.arch in ("light", "oni", "oni-lstm"), f"unknown --arch {self.arch!r} (light, oni or oni-lstm)"),
             (self.intrinsic_reward in INTRINSIC_REWARDS,
              f"unknown --intrinsic-reward {self.intrinsic_reward!r} ({', '.join(INTRINSIC_REWARDS)})"),

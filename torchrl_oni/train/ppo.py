@@ -143,7 +143,8 @@ class Trainer:
 
         # a throw-away env gives the specs the networks are built from
         probe = make_env_factory(cfg, 0)()
-        self.actor, self.critic = make_actor_critic(probe, arch=cfg.arch)
+        self.value_heads = cfg.value_heads
+        self.actor, self.critic = make_actor_critic(probe, arch=cfg.arch, value_heads=cfg.value_heads)
         self.recurrent = cfg.arch in RECURRENT_ARCHS
         self.primer_spec = None
         if self.recurrent:
@@ -156,23 +157,31 @@ class Trainer:
         from torchrl.objectives import ClipPPOLoss
         from torchrl.objectives.value import GAE
 
-        self.advantage = GAE(
-            gamma=cfg.gamma,
-            lmbda=cfg.gae_lambda,
-            value_network=self.critic,
-            average_gae=False,
-            deactivate_vmap=self.recurrent,
-        )
+        def gae(suffix=""):
+            estimator = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=self.critic,
+                            average_gae=False, deactivate_vmap=self.recurrent)
+            if suffix:
+                estimator.set_keys(reward="reward" + suffix, value="state_value" + suffix,
+                                   advantage="advantage" + suffix, value_target="value_target" + suffix)
+            return estimator
+
+        if self.value_heads == 1:
+            self.advantages = [gae()]
+        else:
+            # one value head and one GAE per reward stream; PPO sees the sum of the advantages
+            self.advantages = [gae("_ext"), gae("_int")]
         self.loss = ClipPPOLoss(
             self.actor,
-            self.critic,
+            self.critic if self.value_heads == 1 else None,
             clip_epsilon=cfg.clip_epsilon,
             entropy_coeff=cfg.entropy_coeff,
-            critic_coeff=cfg.critic_coeff,
+            critic_coeff=cfg.critic_coeff if self.value_heads == 1 else None,
             normalize_advantage=True,
             loss_critic_type="smooth_l1",
         )
         self.params = list(self.loss.parameters())
+        if self.value_heads == 2:
+            self.params += list(self.critic.parameters())
         self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-6)
         self.frames = 0
         self.iterations = 0
@@ -246,7 +255,15 @@ class Trainer:
         from ..transforms import CombineRewards
 
         cfg = self.cfg
-        return CombineRewards(cfg.extrinsic_coeff, cfg.intrinsic_coeff, cfg.extrinsic_clip)(batch)
+        mix = CombineRewards(cfg.extrinsic_coeff, cfg.intrinsic_coeff, cfg.extrinsic_clip)
+        if self.value_heads == 2:
+            ext = batch.get(("next", "reward"))
+            intrinsic = batch.get(("next", "intrinsic_reward"), None)
+            intrinsic = torch.zeros_like(ext) if intrinsic is None else intrinsic.reshape(ext.shape).to(ext.dtype)
+            clipped = ext if cfg.extrinsic_clip is None else ext.clamp(-cfg.extrinsic_clip, cfg.extrinsic_clip)
+            batch.set(("next", "reward_ext"), cfg.extrinsic_coeff * clipped)
+            batch.set(("next", "reward_int"), cfg.intrinsic_coeff * intrinsic)
+        return mix(batch)
 
     # ------------------------------------------------------------------ learning
     def _ppo_update(self, batch: TensorDictBase) -> Dict[str, float]:
@@ -260,7 +277,10 @@ class Trainer:
         stats: Dict[str, List[float]] = {}
         with ctx:
             with torch.no_grad():
-                self.advantage(batch)
+                for estimator in self.advantages:
+                    estimator(batch)
+                if self.value_heads == 2:
+                    batch.set("advantage", batch.get("advantage_ext") + batch.get("advantage_int"))
             if self.recurrent:
                 flat = batch  # [K, T]: minibatches of whole trajectories
                 n_items, per_item = batch.shape[0], batch.shape[1]
@@ -272,7 +292,10 @@ class Trainer:
                 perm = torch.randperm(n_items, device=self.device)
                 for start in range(0, n_items, mb_items):
                     idx = perm[start : start + mb_items]
-                    losses = self.loss(flat[idx])
+                    minibatch = flat[idx]
+                    losses = self.loss(minibatch)
+                    if self.value_heads == 2:
+                        losses.set("loss_critic", self._two_head_critic_loss(minibatch))
                     total = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
                     self.optimizer.zero_grad(set_to_none=True)
                     total.backward()
@@ -283,6 +306,15 @@ class Trainer:
                             stats.setdefault(k, []).append(float(losses[k].detach().mean()))
                     stats.setdefault("grad_norm", []).append(float(grad_norm))
         return {f"train/{k}": float(np.mean(v)) for k, v in stats.items()}
+
+    def _two_head_critic_loss(self, minibatch: TensorDictBase) -> torch.Tensor:
+        """Smooth-L1 of each value head against its own GAE target, weighted like PPO's."""
+        values = self.critic(minibatch.select(*self.critic.in_keys, strict=False).copy())
+        loss = 0.0
+        for suffix in ("_ext", "_int"):
+            loss = loss + torch.nn.functional.smooth_l1_loss(
+                values.get("state_value" + suffix), minibatch.get("value_target" + suffix))
+        return self.cfg.critic_coeff * loss
 
     def _episode_stats(self, batch: TensorDictBase) -> int:
         done = batch.get(("next", "done")).reshape(batch.shape)
