@@ -358,13 +358,18 @@ def test_parallel_env_of_batched_envs():
 
 
 def test_crop_is_centred_on_the_agent_and_blank_off_map():
+    from torchrl_oni.envs.batched import OFF_MAP_GLYPH
+
     env = NLEBatchEnv("score", num_envs=2, seed=5, crop_size=9)
     td = env.rollout(40, break_when_any_done=False)
     env.close()
-    crops, bl = td["crop"].reshape(-1, 2, 9, 9), td["blstats"].reshape(-1, 27)
-    assert (crops[:, 0, 4, 4] == ord("@")).float().mean() > 0.9  # the agent (a Monk) at the centre
+    crops, bl = td["crop"].reshape(-1, 9, 9), td["blstats"].reshape(-1, 27)
+    centre = crops[:, 4, 4].long()
+    is_monster = (centre >= nethack.GLYPH_MON_OFF) & (centre < nethack.GLYPH_PET_OFF)
+    assert is_monster.float().mean() > 0.9  # the agent is drawn as its own monster glyph
     for crop, b in zip(crops, bl):
-        y = int(b[1])
+        x, y = int(b[0]), int(b[1])
         for r in range(9):
-            if not 0 <= y - 4 + r < 21:
-                assert (crop[0, r] == ord(" ")).all() and (crop[1, r] == 0).all()
+            for c in range(9):
+                on_map = 0 <= y - 4 + r < 21 and 0 <= x - 4 + c < 79
+                assert (int(crop[r, c]) < OFF_MAP_GLYPH) == on_map, (r, c, x, y)

@@ -16,7 +16,8 @@ key                         shape / dtype       meaning
 ``msg_count``               int64[K]            times this exact message was seen this
                                                 episode, this step and the reset included
 ``blstats``                 int64[K, 27]        NLE's bottom-line statistics
-``crop``                    uint8[K, 2, C, C]   characters and colours around the agent
+``crop``                    int16[K, C, C]      glyph ids around the agent (NLE glyphs;
+                                                ``MAX_GLYPH`` off the map)
 ``episode``                 Composite           ``return``, ``length``, ``dlvl``, ``xlvl``,
                                                 ``gold``, ``scout``, ``kills``,
                                                 ``end_status``, ``success``: running
@@ -49,15 +50,17 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
+from nle import nethack
+
 from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_bytes
 from .tasks import ONITask, make_task, resolve_task
 
-__all__ = ["NLEBatchEnv", "EPISODE_STATS"]
+__all__ = ["NLEBatchEnv", "EPISODE_STATS", "OFF_MAP_GLYPH"]
 
 EPISODE_STATS = ("return", "length", "dlvl", "xlvl", "gold", "scout", "kills", "end_status", "success")
 _BL_X, _BL_Y, _BL_DEPTH, _BL_GOLD, _BL_XLVL = 0, 1, 12, 13, 18
 _MAP_H, _MAP_W = 21, 79
-_SPACE = 32
+OFF_MAP_GLYPH = int(nethack.MAX_GLYPH)  # one past the last glyph: "outside the map"
 
 
 class _HashCache:
@@ -84,7 +87,7 @@ class NLEBatchEnv(EnvBase):
         num_envs: games in this process (K).
         seed: base seed; game ``i`` plays a reproducible sequence of games derived from
             ``(seed, i)``. ``None``: NetHack seeds itself (not reproducible).
-        crop_size: side of the character/colour crop centred on the agent.
+        crop_size: side of the glyph crop centred on the agent.
         device: where the output tensors go (keep ``"cpu"`` in env workers).
         task_kwargs: extra arguments for :class:`~torchrl_oni.envs.tasks.ONITask`
             (``max_episode_steps``, ``timeout_as_termination``, ``character``...).
@@ -119,8 +122,7 @@ class NLEBatchEnv(EnvBase):
         half = crop_size // 2
         self._half = half
         # what lies outside the map: blank characters in colour 0
-        self._crop_template = np.zeros((num_envs, 2, crop_size, crop_size), np.uint8)
-        self._crop_template[:, 0] = _SPACE
+        self._crop_template = np.full((num_envs, crop_size, crop_size), OFF_MAP_GLYPH, np.int16)
         self._state: Optional[dict] = None
         self._dead: list = []
         self._make_specs()
@@ -146,7 +148,7 @@ class NLEBatchEnv(EnvBase):
                 CAPTION_HASH_KEY: Unbounded(shape, dtype=i64),
                 MSG_COUNT_KEY: Unbounded(shape, dtype=i64),
                 "blstats": Unbounded(shape + (27,), dtype=i64),
-                "crop": Bounded(0, 255, shape + (2, C, C), dtype=torch.uint8),
+                "crop": Bounded(0, OFF_MAP_GLYPH, shape + (C, C), dtype=torch.int16),
                 "episode": episode,
             },
             shape=shape,
@@ -195,8 +197,7 @@ class NLEBatchEnv(EnvBase):
         rs, cs = max(r0, 0), max(c0, 0)
         re, ce = min(r0 + C, _MAP_H), min(c0 + C, _MAP_W)
         crop = st["crop"][i]
-        crop[0, rs - r0 : re - r0, cs - c0 : ce - c0] = obs[game._chars_index][rs:re, cs:ce]
-        crop[1, rs - r0 : re - r0, cs - c0 : ce - c0] = obs[game._colors_index][rs:re, cs:ce]
+        crop[rs - r0 : re - r0, cs - c0 : ce - c0] = obs[game._glyph_index][rs:re, cs:ce]
         st["scout"][i] = game._scout_total
         st["kills"][i] = game._kills
         if not game._in_game:  # after death NetHack zeroes blstats: report the last in-game ones

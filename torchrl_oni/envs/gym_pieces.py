@@ -38,6 +38,7 @@ from torchrl.envs.gym_like import BaseInfoDictReader
 from torchrl.envs.transforms import Transform
 
 from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MSG_COUNT_KEY, caption_hash
+from .batched import OFF_MAP_GLYPH
 from .tasks import make_task
 
 __all__ = ["CopyingObservationWrapper", "MessageCounter", "EpisodeInfoReader", "make_gym_env"]
@@ -46,30 +47,28 @@ _MAP_H, _MAP_W = 21, 79
 
 
 class CopyingObservationWrapper(gym.ObservationWrapper):
-    """Copies NLE's observation buffers and adds ``caption_hash`` (int64) and ``crop``."""
+    """Copies NLE's observation buffers and adds ``caption_hash`` (int64) and the glyph ``crop``."""
 
     def __init__(self, env: gym.Env, crop_size: int = 9):
         super().__init__(env)
         self.crop_size = crop_size
         spaces = dict(env.observation_space.spaces)
         spaces[CAPTION_HASH_KEY] = gym.spaces.Box(np.iinfo(np.int64).min, np.iinfo(np.int64).max, (), np.int64)
-        spaces["crop"] = gym.spaces.Box(0, 255, (2, crop_size, crop_size), np.uint8)
+        spaces["crop"] = gym.spaces.Box(0, OFF_MAP_GLYPH, (crop_size, crop_size), np.int16)
         for key in ("chars", "colors", "glyphs"):
             spaces.pop(key, None)
         self.observation_space = gym.spaces.Dict(spaces)
         half = crop_size // 2
         self._pad = half + 1
-        self._padded = np.zeros((2, _MAP_H + 2 * self._pad, _MAP_W + 2 * self._pad), np.uint8)
-        self._padded[0] = 32
+        self._padded = np.full((_MAP_H + 2 * self._pad, _MAP_W + 2 * self._pad), OFF_MAP_GLYPH, np.int16)
         self._offsets = np.arange(crop_size) - half + self._pad
 
     def observation(self, obs):
         p = self._pad
-        self._padded[0, p : p + _MAP_H, p : p + _MAP_W] = obs["chars"]
-        self._padded[1, p : p + _MAP_H, p : p + _MAP_W] = obs["colors"]
+        self._padded[p : p + _MAP_H, p : p + _MAP_W] = obs["glyphs"]
         x, y = int(obs["blstats"][0]), int(obs["blstats"][1])
         rows, cols = y + self._offsets, x + self._offsets
-        crop = self._padded[:, rows[:, None], cols[None, :]]
+        crop = self._padded[rows[:, None], cols[None, :]]
         return {
             MESSAGE_KEY: obs["message"].copy(),
             "blstats": obs["blstats"].astype(np.int64),

@@ -26,7 +26,7 @@ Example:
     >>> env = make_task("score")
     >>> obs, info = env.reset(seed=3)
     >>> sorted(obs)[:3], int(env.action_space.n)
-    (['blstats', 'chars', 'colors'], 28)
+    (['blstats', 'glyphs', 'message'], 28)
     >>> obs, reward, terminated, truncated, info = env.step(0)
     >>> sorted(k for k in info if k in ("dlvl", "gold", "xlvl"))
     ['dlvl', 'gold', 'xlvl']
@@ -63,7 +63,9 @@ EXTENDED_ACTIONS = MOTIF_ACTIONS + (
     nethack.Command.PAY,
 )
 
-OBSERVATION_KEYS = ("glyphs", "chars", "colors", "blstats", "message")
+# glyphs, not chars/colours: NetHack fills every requested buffer on every step, and with many
+# games per process each extra buffer costs cache (32 games: 1.23x faster without chars/colours)
+OBSERVATION_KEYS = ("glyphs", "blstats", "message")
 
 # Yes/no questions the agent answers itself (NLE's list plus "drink").
 ANSWERED_BY_AGENT = (b"eat", b"attack", b"direction?", b"pray", b"drink")

@@ -5,14 +5,15 @@ Both read the batched env's keys ``crop`` (characters and colours around the age
 estimates. ``make_actor_critic`` wraps them as TorchRL modules (a ``ProbabilisticActor`` and a
 ``ValueOperator``) ready for ``ClipPPOLoss`` and a collector.
 
-* ``light`` (default): embeddings of the crop, scaled blstats and the message bytes into one
+* ``light`` (default): glyph embeddings of the crop, scaled blstats and the message bytes into one
   MLP; about 70k parameters, fast on one CPU thread. Actor and critic are separate networks,
   so collection runs only the small actor.
 * ``oni``: the architecture of ONI §5.2 — a conv net over the crop, an MLP over scaled blstats
   (concatenated with the raw scaled vector), an MLP over ``message / 255``, a GRU core (512) and
   linear heads, actor and critic sharing everything but the heads. Deviation, on purpose: the
-  crop is read as learned character/colour embeddings instead of a 72×72 RGB rendering with a
-  TrueType font (no font file to ship, and 40× less input).
+  crop is read as learned glyph embeddings instead of a 72×72 RGB rendering of characters with
+  a TrueType font (no font file to ship, 40× less input, and NetHack need not fill its
+  character/colour buffers every step).
 
 The critic has one output per value head: ``state_value`` (for the total reward) by default,
 or ``state_value_ext``/``state_value_int`` with ``value_heads=2``.
@@ -40,6 +41,8 @@ from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torchrl.modules import GRUModule, LSTMModule, ProbabilisticActor
 
+from ..envs.batched import OFF_MAP_GLYPH
+
 __all__ = ["ARCHS", "BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "POLICY_IN_KEYS"]
 
 POLICY_IN_KEYS = ["crop", "blstats", "message"]
@@ -60,19 +63,15 @@ def scale_blstats(blstats: torch.Tensor) -> torch.Tensor:
 
 
 class CropEmbedding(nn.Module):
-    """uint8[..., 2, C, C] (chars, colours) → float[..., D, C, C] by two embedding tables."""
+    """int[..., C, C] glyph ids (``MAX_GLYPH`` = off the map) → float[..., D, C, C]."""
 
-    def __init__(self, char_dim: int = 8, color_dim: int = 4):
+    def __init__(self, dim: int = 8):
         super().__init__()
-        self.chars = nn.Embedding(256, char_dim)
-        self.colors = nn.Embedding(16, color_dim)
-        self.dim = char_dim + color_dim
+        self.glyphs = nn.Embedding(OFF_MAP_GLYPH + 1, dim)
+        self.dim = dim
 
     def forward(self, crop: torch.Tensor) -> torch.Tensor:
-        crop = crop.long()
-        chars = self.chars(crop[..., 0, :, :])
-        colors = self.colors(crop[..., 1, :, :].clamp(0, 15))
-        return torch.cat([chars, colors], -1).movedim(-1, -3)
+        return self.glyphs(crop.long().clamp(0, OFF_MAP_GLYPH)).movedim(-1, -3)
 
 
 class LightNet(nn.Module):
@@ -83,7 +82,7 @@ class LightNet(nn.Module):
 
     def __init__(self, crop_size: int, out_dim: int, hidden: int = 128):
         super().__init__()
-        self.crop = CropEmbedding(char_dim=6, color_dim=2)
+        self.crop = CropEmbedding(dim=8)
         self.crop_proj = nn.Linear(self.crop.dim * crop_size * crop_size, 64)
         self.stats = nn.Linear(27, 32)
         self.msg = nn.Linear(256, 32)
@@ -101,7 +100,7 @@ class ONIEncoder(nn.Module):
 
     def __init__(self, crop_size: int, hidden: int = 512):
         super().__init__()
-        self.crop = CropEmbedding(char_dim=16, color_dim=8)
+        self.crop = CropEmbedding(dim=24)
         self.conv = nn.Sequential(
             nn.Conv2d(self.crop.dim, 32, 3, padding=1), nn.ELU(),
             nn.Conv2d(32, 64, 3, padding=1), nn.ELU(),
@@ -114,7 +113,7 @@ class ONIEncoder(nn.Module):
         self.out_dim = hidden + 128 + 27 + 128
 
     def forward(self, crop, blstats, message):
-        lead = crop.shape[:-3]
+        lead = crop.shape[:-2]
         x = self.crop(crop).reshape(-1, self.crop.dim, *crop.shape[-2:])
         img = self.conv_fc(self.conv(x).flatten(1)).reshape(*lead, -1)
         stats = scale_blstats(blstats)
