@@ -114,6 +114,26 @@ def test_retrieval_with_the_embedded_smollm2_server(tmp_path):
     assert {(p.annotator, p.model) for p in store.provenances} == {("openai", TEST_MODEL)}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("reward", ["classification", "ranking"])
+def test_reward_models_with_the_embedded_smollm2_server(tmp_path, reward):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from torchrl_oni.serve.models import TEST_MODEL, is_installed
+
+    if not is_installed(TEST_MODEL):
+        pytest.skip("the SmolLM2 model package is not installed")
+    logdir, rows = _run(tmp_path, "--intrinsic-reward", reward, "--llm-model", TEST_MODEL,
+                        "--llm-batch-size", "16", "--frames", "2048", "--rm-steps-per-labels", "2",
+                        "--rm-batch-size", "16", "--rm-time-fraction", "0")
+    store, stats = _labelled_store(logdir)
+    key = "labelled" if reward == "classification" else "pairs_labelled"
+    assert stats[key] > 0, stats  # the CPU model's answers landed in the store
+    assert "intrinsic/mean" in rows[-1]
+    # (reward-model training on ONI's schedule is checked with the fast scripted annotator above;
+    # here the small CPU model may answer only as the run ends)
+
+
 def test_caption_store_is_reused_so_labels_are_not_paid_twice(tmp_path):
     store_path = str(tmp_path / "shared_captions.pt")
     _run(tmp_path, "--intrinsic-reward", "retrieval", "--annotator", "scripted", "--caption-store", store_path)
