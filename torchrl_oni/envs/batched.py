@@ -124,7 +124,6 @@ class NLEBatchEnv(EnvBase):
         # what lies outside the map: blank characters in colour 0
         self._crop_template = np.full((num_envs, crop_size, crop_size), OFF_MAP_GLYPH, np.int16)
         self._state: Optional[dict] = None
-        self._dead: list = []
         self._make_specs()
         if seed is not None:
             self.set_seed(seed)
@@ -200,17 +199,16 @@ class NLEBatchEnv(EnvBase):
         crop[rs - r0 : re - r0, cs - c0 : ce - c0] = obs[game._glyph_index][rs:re, cs:ce]
         st["scout"][i] = game._scout_total
         st["kills"][i] = game._kills
-        if not game._in_game:  # after death NetHack zeroes blstats: report the last in-game ones
-            self._dead.append((i, game._last_game_blstats))
 
     def _to_tensordict(self, st: dict, extra: Optional[dict] = None) -> TensorDictBase:
         f = torch.from_numpy
         game_blstats = st["blstats"]
-        if self._dead:
+        # after death NetHack zeroes blstats: the episode statistics use the last in-game ones
+        dead = [i for i, game in enumerate(self.games) if not game._in_game]
+        if dead:
             game_blstats = game_blstats.copy()
-            for i, bl in self._dead:
-                game_blstats[i] = bl
-            self._dead = []
+            for i in dead:
+                game_blstats[i] = self.games[i]._last_game_blstats
         shape = self.batch_size
         episode = {
             "return": f(self._ep_return.copy()),

@@ -235,10 +235,7 @@ class ONITask(nle_base.NLE):
 
         success = (not done) and self._goal_code != GOAL_SCORE and self._success(observation, message)
         timed_out = self._steps >= self._max_episode_steps
-        if self._goal_code == GOAL_SCORE:
-            reward = score_reward(self._prev_blstats, current, in_game)
-        else:
-            reward = self._reward(current, in_game, success)
+        reward = self._reward(current, in_game, success)
         self._prev_blstats = current
 
         if done:
@@ -329,7 +326,7 @@ class ONITask(nle_base.NLE):
         return False
 
     def _reward(self, blstats, in_game: bool, success: bool) -> float:
-        if self.goal == "score":
+        if self._goal_code == GOAL_SCORE:
             return score_reward(self._prev_blstats, blstats, in_game)
         if success and not self._paid_success:
             if self.continual:
