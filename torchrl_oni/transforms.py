@@ -264,7 +264,9 @@ class CombineRewards(Transform):
     the env's own reward is kept in ``("next", "extrinsic_reward")``. ONI clips the env reward to
     ±10 before the coefficient and never clips or scales the intrinsic term (``extrinsic_clip=None``
     turns clipping off). Put it after :class:`IntrinsicRewardTransform`, on collected batches or in
-    a ``TransformedEnv``; ``oni-train`` applies the same mix to each batch.
+    a ``TransformedEnv``; ``oni-train`` applies the same mix to each batch. With
+    ``streams=True`` the two weighted terms are also kept, in ``("next", "reward_ext")`` and
+    ``("next", "reward_int")``, for a critic with one value head per reward stream.
 
     Example:
         >>> import torch
@@ -277,23 +279,30 @@ class CombineRewards(Transform):
     """
 
     def __init__(self, extrinsic_coeff: float = 1.0, intrinsic_coeff: float = 0.0,
-                 extrinsic_clip: Optional[float] = 10.0, intrinsic_key=INTRINSIC_REWARD_KEY):
-        super().__init__(in_keys=["reward", intrinsic_key], out_keys=["reward", "extrinsic_reward"])
+                 extrinsic_clip: Optional[float] = 10.0, intrinsic_key=INTRINSIC_REWARD_KEY,
+                 streams: bool = False):
+        out_keys = ["reward", "extrinsic_reward"] + (["reward_ext", "reward_int"] if streams else [])
+        super().__init__(in_keys=["reward", intrinsic_key], out_keys=out_keys)
         self.extrinsic_coeff = float(extrinsic_coeff)
         self.intrinsic_coeff = float(intrinsic_coeff)
         self.extrinsic_clip = extrinsic_clip
         self.intrinsic_key = intrinsic_key
+        self.streams = streams
 
     def mix(self, next_td: TensorDictBase) -> TensorDictBase:
-        from torchrl_oni.rewards.scaling import combine_rewards
+        from torchrl_oni.rewards.scaling import reward_streams
 
         ext = next_td.get("reward")
         intrinsic = next_td.get(self.intrinsic_key, None)
         if intrinsic is None or self.intrinsic_coeff == 0.0:
             intrinsic = torch.zeros_like(ext)
+        ext_part, int_part = reward_streams(ext, intrinsic, self.extrinsic_coeff, self.intrinsic_coeff,
+                                            self.extrinsic_clip)
         next_td.set("extrinsic_reward", ext)
-        next_td.set("reward", combine_rewards(ext, intrinsic, self.extrinsic_coeff, self.intrinsic_coeff,
-                                              self.extrinsic_clip))
+        next_td.set("reward", ext_part + int_part)
+        if self.streams:
+            next_td.set("reward_ext", ext_part)
+            next_td.set("reward_int", int_part)
         return next_td
 
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
@@ -312,5 +321,6 @@ class CombineRewards(Transform):
     def transform_reward_spec(self, reward_spec):
         ref = reward_spec["reward"] if "reward" in reward_spec.keys() else None
         if ref is not None:
-            reward_spec["extrinsic_reward"] = ref.clone()
+            for key in self.out_keys[1:]:
+                reward_spec[key] = ref.clone()
         return reward_spec

@@ -21,11 +21,11 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["count_scale", "threshold", "combine_rewards", "RunningMeanStd"]
+__all__ = ["count_scale", "threshold", "combine_rewards", "reward_streams", "RunningMeanStd"]
 
 
 def count_scale(rewards: torch.Tensor, msg_count: torch.Tensor, beta: float = 3.0) -> torch.Tensor:
@@ -49,14 +49,14 @@ def threshold(values: torch.Tensor, cut: float) -> torch.Tensor:
     return torch.where(values > cut, values, torch.zeros_like(values))
 
 
-def combine_rewards(
+def reward_streams(
     extrinsic: torch.Tensor,
     intrinsic: torch.Tensor,
     extrinsic_coeff: float,
     intrinsic_coeff: float,
     extrinsic_clip: Optional[float] = None,
-) -> torch.Tensor:
-    """``extrinsic_coeff * clip(extrinsic) + intrinsic_coeff * intrinsic``.
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(extrinsic_coeff * clip(extrinsic), intrinsic_coeff * intrinsic)``, shaped like ``extrinsic``.
 
     Args:
         extrinsic: env rewards (already multiplied by any reward scale).
@@ -69,7 +69,19 @@ def combine_rewards(
     if extrinsic_clip is not None:
         extrinsic = extrinsic.clamp(-float(extrinsic_clip), float(extrinsic_clip))
     intrinsic = intrinsic.reshape(extrinsic.shape).to(extrinsic.dtype)
-    return extrinsic_coeff * extrinsic + intrinsic_coeff * intrinsic
+    return extrinsic_coeff * extrinsic, intrinsic_coeff * intrinsic
+
+
+def combine_rewards(
+    extrinsic: torch.Tensor,
+    intrinsic: torch.Tensor,
+    extrinsic_coeff: float,
+    intrinsic_coeff: float,
+    extrinsic_clip: Optional[float] = None,
+) -> torch.Tensor:
+    """``extrinsic_coeff * clip(extrinsic) + intrinsic_coeff * intrinsic`` (see :func:`reward_streams`)."""
+    ext, intr = reward_streams(extrinsic, intrinsic, extrinsic_coeff, intrinsic_coeff, extrinsic_clip)
+    return ext + intr
 
 
 class RunningMeanStd:

@@ -255,14 +255,8 @@ class Trainer:
         from ..transforms import CombineRewards
 
         cfg = self.cfg
-        mix = CombineRewards(cfg.extrinsic_coeff, cfg.intrinsic_coeff, cfg.extrinsic_clip)
-        if self.value_heads == 2:
-            ext = batch.get(("next", "reward"))
-            intrinsic = batch.get(("next", "intrinsic_reward"), None)
-            intrinsic = torch.zeros_like(ext) if intrinsic is None else intrinsic.reshape(ext.shape).to(ext.dtype)
-            clipped = ext if cfg.extrinsic_clip is None else ext.clamp(-cfg.extrinsic_clip, cfg.extrinsic_clip)
-            batch.set(("next", "reward_ext"), cfg.extrinsic_coeff * clipped)
-            batch.set(("next", "reward_int"), cfg.intrinsic_coeff * intrinsic)
+        mix = CombineRewards(cfg.extrinsic_coeff, cfg.intrinsic_coeff, cfg.extrinsic_clip,
+                             streams=self.value_heads == 2)
         return mix(batch)
 
     # ------------------------------------------------------------------ learning
