@@ -29,6 +29,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 
+from torchrl_oni.rewards.metrics import auc
+
 # (message, shows progress?) — our own labels for the default goal (score: kill, gold, descend).
 LABELLED: Tuple[Tuple[str, bool], ...] = (
     ("You kill the newt!", True),
@@ -92,13 +94,6 @@ def p_yes(top: Dict[str, float]) -> Optional[float]:
     yes = sum(math.exp(v) for t, v in top.items() if t.strip().lower() == "yes")
     no = sum(math.exp(v) for t, v in top.items() if t.strip().lower() == "no")
     return yes / (yes + no) if yes + no > 0 else None
-
-
-def auc(scores: Sequence[float], labels: Sequence[bool]) -> float:
-    pos = [s for s, y in zip(scores, labels) if y]
-    neg = [s for s, y in zip(scores, labels) if not y]
-    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
-    return wins / max(1, len(pos) * len(neg))
 
 
 async def _score(session, url: str, model: str, messages: Sequence[str]) -> List[Optional[float]]:

@@ -389,13 +389,7 @@ NB02 = [
     hand-labelled messages), with a 5 s load and about a second per dozen captions on 1 CPU thread.
     """),
     code("""
-    def auc(scores, labels):
-        scores, labels = np.asarray(scores, float), np.asarray(labels, bool)
-        pos, neg = scores[labels], scores[~labels]
-        if len(pos) == 0 or len(neg) == 0:
-            return float("nan")
-        wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
-        return wins / (len(pos) * len(neg))
+    from torchrl_oni.rewards.metrics import auc  # P(helpful scores above unhelpful), ties ½
 
     scores = [l.score for l in llm_labels]
     truth = [rules.label(c) for c in CAPTIONS]
@@ -663,12 +657,7 @@ NB03 = [
     model's score orders helpful above unhelpful captions — is the fair common measure.
     """),
     code("""
-    def auc(scores, labels):
-        scores, labels = np.asarray(scores, float), np.asarray(labels, bool)
-        pos, neg = scores[labels], scores[~labels]
-        if len(pos) == 0 or len(neg) == 0:
-            return float("nan")
-        return ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
+    from torchrl_oni.rewards.metrics import auc  # P(helpful scores above unhelpful), ties ½
 
     ranking.update_stats = False   # evaluate with the statistics gathered so far
     ranking.stats.update(ranking.scores(messages[~held]))   # running stats over training captions
