@@ -31,6 +31,28 @@ import numpy as np
 import torch
 
 
+def _round_robin(games, n_actions, step_ended):
+    """Random actions to each game in turn; ``step_ended(game, action)`` steps one, says if it ended."""
+    rng = np.random.default_rng(0)
+    rows = max(1, 256 // len(games))
+
+    def run(seconds):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for row in rng.integers(0, n_actions, size=(rows, len(games))).tolist():
+                for game, a in zip(games, row):
+                    n += 1
+                    if step_ended(game, a):
+                        game.reset()
+        return n / (time.perf_counter() - t0)
+
+    def close():
+        for game in games:
+            game.close()
+
+    return run, close
+
+
 def _raw_gym_loop(keys=None, games=1):
     import gymnasium as gym
     import nle  # noqa: F401  (registers NetHack*-v0)
@@ -39,25 +61,7 @@ def _raw_gym_loop(keys=None, games=1):
     envs = [gym.make("NetHackScore-v0", **kwargs) for _ in range(games)]
     for i, env in enumerate(envs):
         env.reset(seed=i)
-    rng = np.random.default_rng(0)
-    n_actions = envs[0].action_space.n
-
-    def run(seconds):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for row in rng.integers(0, n_actions, size=(max(1, 256 // games), games)).tolist():
-                for env, a in zip(envs, row):
-                    _, _, term, trunc, _ = env.step(a)
-                    n += 1
-                    if term or trunc:
-                        env.reset()
-        return n / (time.perf_counter() - t0)
-
-    def close():
-        for env in envs:
-            env.close()
-
-    return run, close
+    return _round_robin(envs, envs[0].action_space.n, lambda env, a: any(env.step(a)[2:4]))
 
 
 def _task_loop(k):
@@ -66,25 +70,7 @@ def _task_loop(k):
     games = [make_task("score") for _ in range(k)]
     for i, g in enumerate(games):
         g.reset(seed=i)
-    rng = np.random.default_rng(0)
-
-    def run(seconds):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            actions = rng.integers(0, 28, size=(16, k)).tolist()
-            for row in actions:
-                for g, a in zip(games, row):
-                    _, term, trunc, _, _ = g.step_core(a)
-                    n += 1
-                    if term or trunc:
-                        g.reset()
-        return n / (time.perf_counter() - t0)
-
-    def close():
-        for g in games:
-            g.close()
-
-    return run, close
+    return _round_robin(games, games[0].action_space.n, lambda g, a: any(g.step_core(a)[1:3]))
 
 
 def _torchrl_loop(env):
