@@ -76,13 +76,17 @@ def _task_loop(k):
 def _torchrl_loop(env):
     td = env.reset()
     batch = max(1, env.batch_size.numel())
+    spec = env.action_spec
+    # random actions drawn in chunks, as the raw loops draw theirs (a policy would write them)
+    chunk = 64
 
     def run(seconds):
         nonlocal td
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            for _ in range(8):
-                td.set("action", env.action_spec.rand())
+            actions = torch.randint(0, int(spec.space.n), (chunk, *spec.shape), dtype=spec.dtype)
+            for action in actions.unbind(0):
+                td.set("action", action)
                 _, td = env.step_and_maybe_reset(td)
                 n += batch
         return n / (time.perf_counter() - t0)

@@ -373,3 +373,75 @@ def test_crop_is_centred_on_the_agent_and_blank_off_map():
             for c in range(9):
                 on_map = 0 <= y - 4 + r < 21 and 0 <= x - 4 + c < 79
                 assert (int(crop[r, c]) < OFF_MAP_GLYPH) == on_map, (r, c, x, y)
+
+
+# ---------------------------------------------------------------------------- the fast path
+def _roll_pairs(env, steps, step_fn, seed=0):
+    """(step output, next root) pairs, cloned at once, with a policy-like key in the root."""
+    gen = torch.Generator().manual_seed(seed)
+    td = env.reset()
+    out = []
+    for _ in range(steps):
+        td["action"] = torch.randint(0, env.num_actions, (env.num_envs,), generator=gen)
+        td["policy_output"] = torch.randn(env.num_envs, 3, generator=gen)
+        stepped, td = step_fn(env, td)
+        out.append((stepped.clone(), td.clone()))
+    return out
+
+
+def test_fast_step_matches_torchrl():
+    """NLEBatchEnv's own step_and_maybe_reset gives what TorchRL's generic one gives, resets included."""
+    from torchrl.envs import EnvBase
+
+    def make():
+        env = NLEBatchEnv("score", num_envs=3, seed=11, task_kwargs={"max_episode_steps": 40})
+        for i, game in enumerate(env.games):  # games end at different steps: partial resets
+            game._max_episode_steps = 13 + 7 * i
+        return env
+
+    fast_env, generic_env = make(), make()
+    fast = _roll_pairs(fast_env, 60, lambda e, td: e.step_and_maybe_reset(td))
+    generic = _roll_pairs(generic_env, 60, lambda e, td: EnvBase._step_and_maybe_reset(e, td))
+    resets = 0
+    for (a, a_next), (b, b_next) in zip(fast, generic):
+        for x, y in ((a, b), (a_next, b_next)):
+            assert set(x.keys(True, True)) == set(y.keys(True, True))
+            for key in x.keys(True, True):
+                assert x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]), key
+        resets += int(a["next", "done"].any())
+    partial = sum(0 < int(a["next", "done"].sum()) < 3 for a, _ in fast)
+    assert resets >= 5 and partial >= 3
+    fast_env.close()
+    generic_env.close()
+
+
+def test_batched_env_shows_what_each_game_shows():
+    """Messages, blstats and crops of the batched env equal those of single games, step by step."""
+    K, steps, crop = 3, 70, 7
+    env = NLEBatchEnv("score", num_envs=K, seed=4, crop_size=crop, task_kwargs={"max_episode_steps": 30})
+    games = [make_task("score", max_episode_steps=30) for _ in range(K)]
+    for i, g in enumerate(games):
+        g.reset(seed=4 * 1_000_003 + i)
+    actions = torch.from_numpy(np.random.default_rng(1).integers(0, 28, size=(steps, K)))
+    td = env.reset()
+    h = crop // 2
+    for t in range(steps):
+        td["action"] = actions[t]
+        stepped, td = env.step_and_maybe_reset(td)
+        for i, g in enumerate(games):
+            _, reward, terminated, truncated, _ = g.step(int(actions[t, i]))
+            obs = g.last_observation
+            assert stepped["next", "message"][i].numpy().tobytes() == obs[g._message_index].tobytes()
+            bl = obs[g._blstats_index]
+            assert torch.equal(stepped["next", "blstats"][i], torch.from_numpy(bl))
+            assert float(stepped["next", "reward"][i]) == pytest.approx(reward)
+            x, y = int(bl[0]), int(bl[1])
+            padded = np.pad(obs[g._glyph_index], h, constant_values=-1)
+            expected = padded[y : y + crop, x : x + crop]
+            got = stepped["next", "crop"][i].numpy()
+            assert (got[expected >= 0] == expected[expected >= 0]).all()
+            if terminated or truncated:
+                g.reset()
+    env.close()
+    for g in games:
+        g.close()

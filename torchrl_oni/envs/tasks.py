@@ -254,10 +254,12 @@ class ONITask(nle_base.NLE):
         if in_game:
             self._update_scout(observation)
         if not done:
-            # stop the game now; the observation the agent sees is the one before quitting
-            kept = tuple(a.copy() for a in observation)
+            # stop the game now; the agent sees the observation from before quitting, put back
+            # into NLE's buffers (the game writes nothing more there until the next reset)
+            kept = [a.copy() for a in observation]
             self._quit_game(observation, done)
-            self.last_observation = kept
+            for buffer, value in zip(observation, kept):
+                buffer[...] = value
         return reward, terminated, truncated, end_status, success
 
     def _key_for(self, action: int, prev_message: bytes) -> int:
