@@ -2,9 +2,10 @@
 
 TorchRL costs about 0.5 ms per env step (TensorDict creation, spec checks) while NetHack takes
 about 0.05 ms, so one game per TensorDict spends 90 % of its time in bookkeeping. This env
-steps K games in a plain Python loop, writes their observations straight into fresh numpy arrays
-(fresh every step: NLE reuses its buffers, so a stored observation must never alias the next
-one) and wraps them in ONE TensorDict, which amortises TorchRL's cost over K games.
+steps K games in a plain Python loop, with NetHack writing each game's observation into row i
+of shared ``[K, ...]`` arrays; one copy per key (fresh every step: a stored observation must
+never alias the next one) goes into ONE TensorDict, which amortises TorchRL's cost over K games.
+``step_and_maybe_reset`` skips TorchRL's generic bookkeeping on ordinary steps (same data, tested).
 
 Keys (batch size ``[K]``):
 
