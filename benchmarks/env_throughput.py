@@ -14,6 +14,8 @@ Rows:
                            cost with K games per process (each game is a separate copy of the
                            NetHack library, so K games share the CPU caches)
   NLEBatchEnv(K)           the batched TorchRL env with every key, ``step_and_maybe_reset``
+  ..., NetHack's step skipped  the same with each game's step a no-op: what TorchRL and the
+                           observation packaging cost alone, with warm caches
   GymEnv (1 game)          TorchRL ``GymWrapper`` + copying wrapper + ``MessageCounter``
 
 Each K of ``--envs`` is measured in its own group (its games close before the next K's open),
@@ -99,6 +101,14 @@ def _torchrl_loop(env):
     return run, env.close
 
 
+def _packaging_only(env_cls, k):
+    """The batched env with every game's step replaced by a no-op: TorchRL + packaging alone."""
+    env = env_cls("score", num_envs=k, seed=0)
+    for game in env.games:
+        game.step_core = lambda action: (0.0, False, False, 0, False)
+    return env
+
+
 def _interleaved(configs, seconds, rounds):
     """Median frames/s of each configuration, measured in interleaved rounds."""
     per = seconds / (rounds * len(configs))
@@ -142,9 +152,14 @@ def main(argv=None):
             f"task loop, {k} games": _task_loop(k),
             f"NLEBatchEnv({k})": _torchrl_loop(NLEBatchEnv("score", num_envs=k, seed=0)),
         }
-        groups[k] = _interleaved({**baselines, **group}, slot, args.rounds)
+        groups[k] = _interleaved({**baselines, **group}, slot * 0.95, args.rounds)
         for _, close in group.values():  # a group's games leave before the next group's arrive
             close()
+        # measured alone afterwards: more live games in the process would slow the groups' games
+        run, close = _torchrl_loop(_packaging_only(NLEBatchEnv, k))
+        run(0.2)
+        groups[k][f"NLEBatchEnv({k}), NetHack's step skipped"] = run(slot * 0.05)
+        close()
     for _, close in baselines.values():
         close()
 
@@ -161,6 +176,8 @@ def main(argv=None):
             "ceiling": round(med[f"task loop, {k} games"] / raw, 3),
             "raw_k_fps": round(med[f"raw NLE (default keys), {k} games round-robin"]),
             "ratio_vs_raw_k": round(batched / med[f"raw NLE (default keys), {k} games round-robin"], 3),
+            # one step_and_maybe_reset without NetHack, warm caches (µs per batch of K)
+            "packaging_us": round(1e6 * k / med[f"NLEBatchEnv({k}), NetHack's step skipped"], 1),
         }
         print(f"\n{k} games per process: env throughput, random actions, 1 torch thread, "
               f"median of {args.rounds} interleaved rounds")
@@ -178,11 +195,13 @@ def main(argv=None):
         close()
 
     best = max(per_k, key=lambda k: per_k[k]["ratio"])
-    print(f"\n{'K':>4} {'batched':>9} {'ratio':>7} {'ceiling':>8} {'vs K-game loop':>15}")
+    print(f"\n{'K':>4} {'batched':>9} {'ratio':>7} {'ceiling':>8} {'vs K-game loop':>15} {'packaging µs/batch':>19}")
     for k, r in per_k.items():
-        print(f"{k:>4} {r['batched_fps']:>9,} {r['ratio']:>7.3f} {r['ceiling']:>8.3f} {r['ratio_vs_k_game_loop']:>15.3f}")
+        print(f"{k:>4} {r['batched_fps']:>9,} {r['ratio']:>7.3f} {r['ceiling']:>8.3f} "
+              f"{r['ratio_vs_k_game_loop']:>15.3f} {r['packaging_us']:>19.1f}")
     print("ratio = NLEBatchEnv(K) / raw NLE loop (1 game, default keys); ceiling = the same K games "
-          "stepped in plain Python, no TorchRL, / raw")
+          "stepped in plain Python, no TorchRL, / raw; packaging = one step_and_maybe_reset with "
+          "NetHack's step skipped (warm caches)")
     all_raw = [med["raw NLE (default keys)"] for med in groups.values()]
     out = {
         "raw_fps": round(statistics.median(all_raw)),
