@@ -11,8 +11,8 @@ Rows:
   raw NLE, K games         the default-keys loop over K games round-robin in one process
   task loop, 1 game        our ONI task (ExtendedActions step logic) in a plain Python loop
   task loop, K games       K of those games stepped round-robin in plain Python: NetHack's own
-                           cost with K games per process (each game is a separate copy of the
-                           NetHack library, so K games share the CPU caches)
+                           cost with K games per process (each game has its own globals and
+                           heap, and K of them share one core's caches)
   NLEBatchEnv(K)           the batched TorchRL env with every key, ``step_and_maybe_reset``
   ..., NetHack's step skipped  the same with each game's step a no-op: what TorchRL and the
                            observation packaging cost alone, with warm caches
@@ -101,9 +101,11 @@ def _torchrl_loop(env):
     return run, env.close
 
 
-def _packaging_only(env_cls, k):
+def _packaging_only(k):
     """The batched env with every game's step replaced by a no-op: TorchRL + packaging alone."""
-    env = env_cls("score", num_envs=k, seed=0)
+    from torchrl_oni.envs import NLEBatchEnv
+
+    env = NLEBatchEnv("score", num_envs=k, seed=0)
     for game in env.games:
         game.step_core = lambda action: (0.0, False, False, 0, False)
     return env
@@ -156,7 +158,7 @@ def main(argv=None):
         for _, close in group.values():  # a group's games leave before the next group's arrive
             close()
         # measured alone afterwards: more live games in the process would slow the groups' games
-        run, close = _torchrl_loop(_packaging_only(NLEBatchEnv, k))
+        run, close = _torchrl_loop(_packaging_only(k))
         run(0.2)
         groups[k][f"NLEBatchEnv({k}), NetHack's step skipped"] = run(slot * 0.05)
         close()

@@ -56,7 +56,7 @@ from nle import nethack
 from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_bytes
 from .tasks import ONITask, make_task, resolve_task
 
-__all__ = ["NLEBatchEnv", "EPISODE_STATS", "OFF_MAP_GLYPH"]
+__all__ = ["NLEBatchEnv", "GlyphWindows", "EPISODE_STATS", "OFF_MAP_GLYPH"]
 
 EPISODE_STATS = ("return", "length", "dlvl", "xlvl", "gold", "scout", "kills", "end_status", "success")
 _BL_X, _BL_Y, _BL_DEPTH, _BL_GOLD, _BL_XLVL = 0, 1, 12, 13, 18
@@ -65,6 +65,32 @@ _MAP_H, _MAP_W = 21, 79
 # root entries that ``step_mdp`` does not carry from one step to the next
 _NOT_CARRIED = frozenset(("next", "reward", "done", "terminated", "truncated", "_reset", "_step"))
 OFF_MAP_GLYPH = int(nethack.MAX_GLYPH)  # one past the last glyph: "outside the map"
+
+
+class GlyphWindows:
+    """C x C glyph windows centred on the agent, for ``games`` games at once.
+
+    Glyphs are copied into ``interior``, a view of arrays padded with ``OFF_MAP_GLYPH``; a window
+    that leaves the map then needs no special case. Used by :class:`NLEBatchEnv` and by the
+    gym pieces' copying wrapper, so both paths cut the same crop.
+
+    Example:
+        >>> import numpy as np
+        >>> w = GlyphWindows(games=1, crop_size=3)
+        >>> w.interior[0] = np.arange(21 * 79, dtype=np.int16).reshape(21, 79)
+        >>> w.crop(np.array([0]), x=np.array([0]), y=np.array([0]))[0].tolist()
+        [[5976, 5976, 5976], [5976, 0, 1], [5976, 79, 80]]
+    """
+
+    def __init__(self, games: int, crop_size: int):
+        top = crop_size // 2
+        padded = np.full((games, _MAP_H + crop_size - 1, _MAP_W + crop_size - 1), OFF_MAP_GLYPH, np.int16)
+        self.interior = padded[:, top : top + _MAP_H, top : top + _MAP_W]
+        self._windows = np.lib.stride_tricks.sliding_window_view(padded, (crop_size, crop_size), axis=(1, 2))
+
+    def crop(self, games, x, y) -> np.ndarray:
+        """Fresh ``[len(games), C, C]`` windows of ``games`` around map positions ``(x, y)``."""
+        return self._windows[games, y.clip(0, _MAP_H - 1), x.clip(0, _MAP_W - 1)]
 
 
 class _HashCache:
@@ -125,11 +151,7 @@ class NLEBatchEnv(EnvBase):
         self._ep_return = np.zeros(num_envs, dtype=np.float32)
         self._ep_length = np.zeros(num_envs, dtype=np.int64)
         self._all_rows = np.arange(num_envs, dtype=np.int64)
-        # glyphs padded with OFF_MAP_GLYPH, and a view of every C x C window in them
-        top = crop_size // 2
-        padded = np.full((num_envs, _MAP_H + crop_size - 1, _MAP_W + crop_size - 1), OFF_MAP_GLYPH, np.int16)
-        self._glyphs_interior = padded[:, top : top + _MAP_H, top : top + _MAP_W]
-        self._glyph_windows = np.lib.stride_tricks.sliding_window_view(padded, (crop_size, crop_size), axis=(1, 2))
+        self._windows = GlyphWindows(num_envs, crop_size)
         # the latest observation arrays and whether a game just ended; a plain dict because
         # EnvBase (an nn.Module) makes every attribute assignment cost microseconds
         self._live = {"state": None, "any_done": False}
@@ -208,22 +230,17 @@ class NLEBatchEnv(EnvBase):
         if rows is None:
             st["message"] = buf["message"].copy()
             st["blstats"] = blstats = buf["blstats"].copy()
-            np.copyto(self._glyphs_interior, buf["glyphs"])
+            np.copyto(self._windows.interior, buf["glyphs"])
             ks = self._all_rows
         else:
             ks = np.asarray(rows, np.int64)
             st["message"][ks] = buf["message"][ks]
             st["blstats"][ks] = blstats = buf["blstats"][ks]
-            self._glyphs_interior[ks] = buf["glyphs"][ks]
-        # the crop: the C x C window around the agent, cut from the glyphs padded with
-        # OFF_MAP_GLYPH, so windows that leave the map need no special case
-        y = blstats[:, _BL_Y].clip(0, _MAP_H - 1)
-        x = blstats[:, _BL_X].clip(0, _MAP_W - 1)
-        st["crop"][ks] = self._glyph_windows[ks, y, x]
+            self._windows.interior[ks] = buf["glyphs"][ks]
+        st["crop"][ks] = self._windows.crop(ks, x=blstats[:, _BL_X], y=blstats[:, _BL_Y])
 
     def _note_messages(self, st: dict, rows) -> None:
         """Per-episode message counts, caption hashes and game statistics of ``rows``."""
-        hash_table = self._hash.table
         counts, hashes, scout, kills, dead = [], [], [], [], []
         for i in rows:
             game = self.games[i]
@@ -231,8 +248,7 @@ class NLEBatchEnv(EnvBase):
             seen = self._counts[i]
             n = seen[raw] = seen.get(raw, 0) + 1
             counts.append(n)
-            h = hash_table.get(raw)
-            hashes.append(self._hash(raw) if h is None else h)
+            hashes.append(self._hash(raw))
             scout.append(game._scout_total)
             kills.append(game._kills)
             if not game._in_game:

@@ -38,12 +38,11 @@ from torchrl.envs.gym_like import BaseInfoDictReader
 from torchrl.envs.transforms import Transform
 
 from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MSG_COUNT_KEY, caption_hash
-from .batched import OFF_MAP_GLYPH
+from .batched import OFF_MAP_GLYPH, GlyphWindows
 from .tasks import make_task
 
 __all__ = ["CopyingObservationWrapper", "MessageCounter", "EpisodeInfoReader", "make_gym_env"]
 
-_MAP_H, _MAP_W = 21, 79
 
 
 class CopyingObservationWrapper(gym.ObservationWrapper):
@@ -58,17 +57,13 @@ class CopyingObservationWrapper(gym.ObservationWrapper):
         for key in ("chars", "colors", "glyphs"):
             spaces.pop(key, None)
         self.observation_space = gym.spaces.Dict(spaces)
-        half = crop_size // 2
-        self._pad = half + 1
-        self._padded = np.full((_MAP_H + 2 * self._pad, _MAP_W + 2 * self._pad), OFF_MAP_GLYPH, np.int16)
-        self._offsets = np.arange(crop_size) - half + self._pad
+        self._windows = GlyphWindows(1, crop_size)
+        self._game = np.zeros(1, np.int64)
 
     def observation(self, obs):
-        p = self._pad
-        self._padded[p : p + _MAP_H, p : p + _MAP_W] = obs["glyphs"]
-        x, y = int(obs["blstats"][0]), int(obs["blstats"][1])
-        rows, cols = y + self._offsets, x + self._offsets
-        crop = self._padded[rows[:, None], cols[None, :]]
+        self._windows.interior[0] = obs["glyphs"]
+        blstats = obs["blstats"]
+        crop = self._windows.crop(self._game, x=blstats[0:1], y=blstats[1:2])[0]
         return {
             MESSAGE_KEY: obs["message"].copy(),
             "blstats": obs["blstats"].astype(np.int64),

@@ -159,8 +159,6 @@ class ONITask(nle_base.NLE):
         self._action_keys = [int(a) for a in actions]
         self._food_prompts = FOOD_PROMPTS if extended_actions else FOOD_PROMPTS[:1]
         self._goal_code = {"score": GOAL_SCORE, "staircase": GOAL_STAIRCASE, "oracle": GOAL_ORACLE}[goal]
-        self._chars_index = self._observation_keys.index("chars") if "chars" in self._observation_keys else None
-        self._colors_index = self._observation_keys.index("colors") if "colors" in self._observation_keys else None
         self._oracle = _oracle_glyph() if goal == "oracle" else None
         self._seed: Optional[int] = None
         self._seeded_episode = 0
