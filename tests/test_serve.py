@@ -309,3 +309,54 @@ def test_model_server_openai_client(model_server):
     content = chat.choices[0].logprobs.content
     assert 1 <= len(content) <= 4 and chat.choices[0].message.content.strip()
     assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_engine_skips_and_aborts_prompts_nobody_waits_for(model_server):
+    engine = model_server.server.engine
+    prompts = [_short_prompt("You kill the newt!"), _short_prompt("It's a wall.")]
+    full = engine.complete(prompts, max_tokens=8)
+    assert len(full[1].tokens) > 2 and full[1].finish_reason == "length"
+    dead = engine.complete(prompts, max_tokens=8, alive=lambda: [False, False])
+    assert [(c.finish_reason, c.tokens, c.prompt_tokens) for c in dead] == [("abort", [], 0)] * 2
+    checks = []
+
+    def alive():  # asked before tokenising, then between steps: the 2nd client leaves after 2
+        checks.append(1)
+        return [True, len(checks) < 3]
+
+    mixed = engine.complete(prompts, max_tokens=8, alive=alive)
+    assert mixed[0].tokens == full[0].tokens and mixed[0].finish_reason == full[0].finish_reason
+    assert mixed[1].finish_reason == "abort" and mixed[1].tokens == full[1].tokens[:2]
+
+
+def test_prompt_too_long_for_the_context_is_400_and_spares_its_batch(model_server):
+    engine = model_server.server.engine
+    too_long = "a " * engine.max_context  # more tokens than the context, under the byte bound
+    assert len(too_long.encode()) < engine.max_prompt_bytes
+    out = engine.complete([_short_prompt("It's a wall."), too_long], max_tokens=1)
+    assert out[0].error is None and out[0].tokens
+    assert out[1].finish_reason == "error" and "exceeds the model's context" in out[1].error
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            async def one(prompt):
+                body = {"model": model_server.model, "prompt": prompt, "max_tokens": 1}
+                async with session.post(model_server.url + "/completions", json=body) as resp:
+                    return resp.status, await resp.json()
+            return await asyncio.gather(one(too_long), one(_short_prompt("It's a wall.")))
+
+    (status, err), (ok_status, ok) = asyncio.run(go())
+    assert status == 400 and err["error"]["param"] == "prompt"
+    assert err["error"]["code"] == "context_length_exceeded" and "tokens" in err["error"]["message"]
+    assert ok_status == 200 and ok["choices"][0]["text"]
+
+
+def test_prompt_over_the_byte_bound_is_refused_untokenised(model_server):
+    engine = model_server.server.engine
+    health = model_server.url.replace("/v1", "/health")
+    calls = _get(health)[1]["engine_calls"]
+    huge = "word " * (engine.max_prompt_bytes // 5 + 1)
+    status, body = _post(model_server.url + "/completions",
+                         {"model": model_server.model, "prompt": huge, "max_tokens": 1})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert _get(health)[1]["engine_calls"] == calls  # the engine (and its tokenizer) never saw it
