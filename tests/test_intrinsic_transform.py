@@ -199,3 +199,39 @@ def test_combine_rewards_in_a_transformed_env_mixes_with_clip():
     expected = 0.1 * ext.clamp(-1.0, 1.0) + 0.5 * td["next", "intrinsic_reward"]
     assert torch.allclose(td["next", "reward"], expected)
     assert (td["next", "intrinsic_reward"] > 0).all()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_normalising_transform_copies_with_its_statistics(how):
+    import copy
+    import io
+    import pickle
+
+    from torchrl_oni.rewards import RankingReward
+
+    original = IntrinsicRewardTransform(LengthReward(), beta=3.0, normalize=True, threshold=0.0)
+    batch = _batch(["ab", "abcd", "abcdefgh", "a"], ["z"] * 4, [1, 2, 1, 1], [1] * 4)
+    original(batch.clone())  # the running statistics have moved off their initial values
+    if how == "deepcopy":
+        clone = copy.deepcopy(original)
+    elif how == "pickle":
+        clone = pickle.loads(pickle.dumps(original))
+    else:
+        buffer = io.BytesIO()
+        torch.save(original, buffer)
+        buffer.seek(0)
+        clone = torch.load(buffer, weights_only=False)  # our own object, written just above
+    assert clone.stats.state_dict() == original.stats.state_dict()
+    assert clone.stats._lock is not original.stats._lock
+    clone.eval(), original.eval()
+    assert torch.equal(clone(batch.clone())["next", "intrinsic_reward"], original(batch.clone())["next", "intrinsic_reward"])
+    # the copy is independent: updating it leaves the original's statistics alone
+    before = original.stats.state_dict()
+    clone.train()
+    clone(_batch(["abcdefghijkl"] * 4, ["z"] * 4, [1] * 4, [1] * 4))
+    assert original.stats.state_dict() == before != clone.stats.state_dict()
+    # a reward model served behind a lock (ranking, classification) copies too
+    ranked = IntrinsicRewardTransform(RankingReward(normalize=True), normalize=True)
+    twin = copy.deepcopy(ranked) if how == "deepcopy" else pickle.loads(pickle.dumps(ranked))
+    msgs = torch.from_numpy(encode_messages(["You kill the newt!", "It's a wall."]))
+    assert torch.equal(twin.reward.scores(msgs), ranked.reward.scores(msgs))

@@ -98,6 +98,11 @@ class MessageCounter(Transform):
 
     Keyed on ``caption_hash``; the reset observation counts (it gives 1), as in ONI. Works on
     unbatched envs and on batched envs (one counter table per batch element).
+
+    It needs the env: the count is a running total along each episode, kept between steps. On a
+    collected batch or a replay-buffer sample (``transform(td)``, a replay buffer's transform,
+    a collector's ``postproc``) there is no such history, so calling it raises, as TorchRL's
+    ``StepCounter`` does; such data already holds the ``msg_count`` the env wrote.
     """
 
     def __init__(self, in_key=CAPTION_HASH_KEY, out_key=MSG_COUNT_KEY):
@@ -149,8 +154,17 @@ class MessageCounter(Transform):
         observation_spec[self.out_keys[0]] = Unbounded(ref.shape, dtype=torch.int64, device=ref.device)
         return observation_spec
 
-    def _apply_transform(self, obs):  # not used: _call is overridden
-        return obs
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        # Transform.forward would copy caption_hash into msg_count through _apply_transform:
+        # a count of ~1e18 that IntrinsicRewardTransform then turns into a reward of ~0
+        raise NotImplementedError(
+            f"{type(self).__name__} counts captions along episodes as an env steps and cannot be "
+            "applied to a batch or a replay-buffer sample; the data already holds the env's "
+            f"'{self.out_keys[0]}'. Append it to the env (TransformedEnv) or drop it from this transform."
+        )
+
+    def _apply_transform(self, obs):  # not used: _call is overridden and forward refuses
+        raise NotImplementedError
 
 
 def make_gym_env(task: str = "score", *, seed: Optional[int] = None, crop_size: int = 9, **task_kwargs):

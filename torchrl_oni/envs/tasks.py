@@ -37,6 +37,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Optional, Tuple
 
+import gymnasium as gym
 import numpy as np
 from nle import nethack
 from nle.env import base as nle_base
@@ -166,13 +167,27 @@ class ONITask(nle_base.NLE):
 
     # ------------------------------------------------------------------ seeding
     def reset(self, seed: Optional[int] = None, options=None):
+        """Gymnasium reset: ``(obs, info)``.
+
+        ``seed`` seeds NetHack (this episode and the ones after it) and gymnasium's
+        ``np_random`` (which seeded wrappers such as ``StickyAction`` draw from).
+        ``options`` is NLE's: ``{"wizkit_items": [...]}`` (wizard mode); ``{}`` means none.
+        """
         if seed is not None:
             self._seed = int(seed)
             self._seeded_episode = 0
+            # gymnasium's contract: reset(seed=s) seeds env.np_random. Done here rather than by
+            # NLE.reset(seed=s), which calls self.reset(seed=s) again when a game fails to start
+            # and would restart our seed sequence on the same failing seeds.
+            gym.Env.reset(self, seed=seed)
         if self._seed is not None:
             core, disp = _derive_seeds(self._seed, self._seeded_episode)
             self.nethack.set_initial_seeds(core, disp, False, None)
             self._seeded_episode += 1
+        if options is not None and "wizkit_items" not in options:
+            # NLE 1.3 reads options["wizkit_items"] from any options dict, so the reset(options={})
+            # that gymnasium allows (and check_env makes) raised KeyError: give it the default
+            options = {**options, "wizkit_items": None}
         self._reset_stats()
         obs, info = super().reset(options=options)
         self._prev_message = self.last_observation[self._message_index].tobytes().split(b"\0", 1)[0]

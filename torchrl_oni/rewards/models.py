@@ -188,6 +188,20 @@ class ServedModel:
         self._lock = threading.Lock()
         self._model = model.to(self.device).eval()
 
+    def __getstate__(self) -> dict:
+        # copies (deepcopy, pickle: ParallelEnv factories, a collector's postproc) serve the
+        # current weights with a lock of their own; a lock itself cannot be copied
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        import threading
+
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def model(self) -> nn.Module:
         """The network currently serving rewards (do not train it in place; see swap_model)."""

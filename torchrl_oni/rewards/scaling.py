@@ -87,7 +87,9 @@ def combine_rewards(
 class RunningMeanStd:
     """Running mean and variance over every value seen (parallel-merge update, float64).
 
-    Thread-safe: updates and reads take an internal lock.
+    Thread-safe: updates and reads take an internal lock. Copies (``copy.deepcopy``, pickle,
+    hence ``torch.save``, ``ParallelEnv`` factories and a collector's ``postproc``) carry the
+    statistics and get a lock of their own.
 
     Args:
         epsilon: the initial pseudo-count, which keeps the first normalisations finite.
@@ -134,6 +136,17 @@ class RunningMeanStd:
         with self._lock:
             mean, std = self.mean, max(self.std, self.min_std)
         return (values - mean) / std
+
+    def __getstate__(self) -> dict:
+        # a lock cannot be pickled or deep-copied; the copy is an independent object anyway
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def state_dict(self) -> dict:
         with self._lock:
