@@ -1,35 +1,46 @@
-"""The tutorial notebooks: committed with outputs, in sync with their builder, and runnable.
+"""The tutorials: percent-format sources that parse into the expected notebooks, and that run.
 
-The slow test executes every notebook top to bottom with nbclient in its small setting
-(``ONI_TUTORIAL_SMALL=1``) and prints each one's wall time (``pytest -s`` shows it live; it is
-also in the captured output of a failure).
+The sources are ``tutorials/NN_*.py`` (jupytext "percent" format); ``tutorials/build.py`` turns
+them into notebooks. The fast tests check the sources' shape (title, one tagged scale cell,
+valid Python, canonical jupytext text) and the builder's command line. The slow test converts
+each source with jupytext and executes it with nbclient in a temporary folder in its small
+setting (``ONI_TUTORIAL_SMALL=1``), and prints each one's wall time (``pytest -s`` shows it live;
+it is also in the captured output of a failure).
 """
+import ast
 import importlib.util
+import re
 import time
 from pathlib import Path
 
 import pytest
 
+jupytext = pytest.importorskip("jupytext")
 nbformat = pytest.importorskip("nbformat")
 
 TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
 EXPECTED = [
-    "01_transforms_in_your_pipeline.ipynb",
-    "02_annotators.ipynb",
-    "03_reward_models.ipynb",
-    "04_train_and_plot.ipynb",
+    "01_transforms_in_your_pipeline",
+    "02_annotators",
+    "03_reward_models",
+    "04_train_and_plot",
 ]
-# notebooks that draw figures from what they ran
-WITH_FIGURES = {"01_transforms_in_your_pipeline.ipynb", "02_annotators.ipynb",
-                "03_reward_models.ipynb", "04_train_and_plot.ipynb"}
+# tutorials that draw figures from what they ran
+WITH_FIGURES = {"01_transforms_in_your_pipeline", "02_annotators", "03_reward_models", "04_train_and_plot"}
+SCALE_MARK = "SCALE: the only cell to edit"
+# the header and cell metadata tutorials/jupytext.toml keeps
+JUPYTEXT_FILTERS = {"notebook_metadata_filter": "kernelspec,-all", "cell_metadata_filter": "tags,-all"}
 
 
-def _notebooks():
-    return sorted(p.name for p in TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
+def _builder():
+    spec = importlib.util.spec_from_file_location("tutorials_build", TUTORIALS / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _read(name):
-    return nbformat.read(TUTORIALS / name, as_version=4)
+def _source(name):
+    return TUTORIALS / f"{name}.py"
 
 
 def _code_cells(nb):
@@ -45,40 +56,79 @@ def _images(nb):
             if "data" in o and "image/png" in o["data"]]
 
 
-def test_all_tutorials_are_there():
-    assert _notebooks() == EXPECTED
+def test_all_tutorials_are_there_and_no_notebooks_are_committed():
+    assert [p.stem for p in _builder().sources()] == EXPECTED
+    assert not list(TUTORIALS.glob("*.ipynb")), "notebooks are built, not committed: tutorials/build.py"
 
 
 @pytest.mark.parametrize("name", EXPECTED)
-def test_committed_with_outputs_and_no_errors(name):
-    nb = _read(name)
-    cells = _code_cells(nb)
-    assert cells and all(c.execution_count for c in cells), "run it: tutorials/build_notebooks.py --execute"
-    assert not _outputs(nb, "error")
-    if name in WITH_FIGURES:
-        assert _images(nb), f"{name} should be saved with its figures"
+def test_source_parses_into_the_expected_notebook(name):
+    nb = jupytext.read(_source(name))
+    nbformat.validate(nb)
+    first = nb.cells[0]
+    number = name[:2]
+    assert first.cell_type == "markdown"
+    assert re.match(rf"# {number} · \S", first.source), "the first cell is the title: '# NN · ...'"
+    code = _code_cells(nb)
+    assert len(code) >= 4 and sum(c.cell_type == "markdown" for c in nb.cells) >= 4
+    for cell in code:
+        ast.parse(cell.source)  # plain Python: no magics, nothing jupytext would comment out
 
 
 @pytest.mark.parametrize("name", EXPECTED)
-def test_one_marked_scale_cell_reads_the_small_switch(name):
-    cells = _code_cells(_read(name))
-    scale = [c for c in cells if "SCALE: the only cell to edit" in c.source]
-    assert len(scale) == 1
-    assert "ONI_TUTORIAL_SMALL" in scale[0].source and "SMALL" in scale[0].source
-    assert cells.index(scale[0]) == 0, "the scale cell must be the first code cell"
-    others = "\n".join(c.source for c in cells if c is not scale[0])
+def test_one_tagged_scale_cell_reads_the_small_switch(name):
+    code = _code_cells(jupytext.read(_source(name)))
+    tagged = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    marked = [c for c in code if SCALE_MARK in c.source]
+    assert len(tagged) == 1 and marked == tagged, "one scale cell, marked and tagged 'parameters'"
+    scale = tagged[0]
+    assert code.index(scale) == 0, "the scale cell must be the first code cell"
+    assert re.search(r"^SMALL = .*ONI_TUTORIAL_SMALL", scale.source, re.M)
+    others = "\n".join(c.source for c in code if c is not scale)
     assert "ONI_TUTORIAL_SMALL" not in others
 
 
-def test_notebooks_match_their_builder():
-    spec = importlib.util.spec_from_file_location("build_notebooks", TUTORIALS / "build_notebooks.py")
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
-    assert sorted(builder.NOTEBOOKS) == EXPECTED
-    for name in EXPECTED:
-        built = [(c.cell_type, c.source) for c in builder.build(name).cells]
-        saved = [(c.cell_type, c.source) for c in _read(name).cells]
-        assert built == saved, f"{name} differs from tutorials/build_notebooks.py: rebuild it"
+@pytest.mark.parametrize("name", EXPECTED)
+def test_source_is_canonical_jupytext(name):
+    # What jupytext (CLI, or Jupyter's extension, with tutorials/jupytext.toml) would write back:
+    # a source in this form round-trips through Jupyter without a diff.
+    text = _source(name).read_text(encoding="utf-8")
+    nb = jupytext.reads(text, fmt="py:percent")
+    nb.metadata.setdefault("jupytext", {}).update(JUPYTEXT_FILTERS)
+    assert jupytext.writes(nb, fmt="py:percent") == text, f"normalise it: jupytext --to py:percent {name}.py"
+
+
+def test_jupytext_config_matches_the_filters_checked_here():
+    from jupytext.config import load_jupytext_configuration_file
+
+    config = load_jupytext_configuration_file(str(TUTORIALS / "jupytext.toml"))
+    assert {k: getattr(config, k) for k in JUPYTEXT_FILTERS} == JUPYTEXT_FILTERS
+
+
+def test_builder_writes_unexecuted_notebooks(tmp_path, capsys):
+    build = _builder()
+    assert build.main(["02", "04_train_and_plot", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["02_annotators.ipynb", "04_train_and_plot.ipynb"]
+    nb = nbformat.read(tmp_path / "04_train_and_plot.ipynb", as_version=4)
+    nbformat.validate(nb)
+    src = jupytext.read(_source("04_train_and_plot"))
+    assert [(c.cell_type, c.source) for c in nb.cells] == [(c.cell_type, c.source) for c in src.cells]
+    assert nb.metadata.kernelspec.name == "python3" and "jupytext" not in nb.metadata
+    assert not _outputs(nb, "stream") and not any(c.execution_count for c in _code_cells(nb))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["99"], "unknown tutorial '99'"),
+    (["--full"], "--full needs --execute"),
+    (["--execute", "--timeout", "0"], "--timeout must be positive"),
+])
+def test_builder_rejects_bad_arguments_in_one_line(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _builder().main([*argv, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("build.py: error: ") and message in err[-1]
+    assert not list(tmp_path.iterdir())
 
 
 def _kernel_or_skip():
@@ -92,10 +142,8 @@ def _kernel_or_skip():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPECTED)
-def test_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch, capsys):
+def test_tutorial_runs_top_to_bottom(name, tmp_path, capsys):
     _kernel_or_skip()
-    from nbclient import NotebookClient
-
     if name.startswith("02_"):
         # serves the small test model: needs the embedded extra and its weights package
         pytest.importorskip("transformers")
@@ -103,16 +151,9 @@ def test_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch, capsys):
 
         if not is_installed(TEST_MODEL):
             pytest.skip(f"{TEST_MODEL} is not installed (see README: the model packages)")
-    monkeypatch.setenv("ONI_TUTORIAL_SMALL", "1")
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    nb = _read(name)
-    for cell in _code_cells(nb):
-        cell.outputs, cell.execution_count = [], None
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}})
-    t0 = time.perf_counter()
-    client.execute()
-    seconds = time.perf_counter() - t0
+    build = _builder()
+    nb = build.to_notebook(_source(name))
+    seconds = build.execute(nb, tmp_path, small=True, timeout=600)
     with capsys.disabled():
         print(f"\n[tutorial] {name}: {seconds:.1f} s")
     assert all(c.execution_count for c in _code_cells(nb))
@@ -123,4 +164,5 @@ def test_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch, capsys):
         runs = tmp_path / "runs" / "tutorial04"
         assert (runs / "none" / "metrics.csv").is_file()
         assert (runs / "retrieval" / "metrics.csv").is_file()
+        assert "intrinsic_reward: retrieval" in (runs / "retrieval" / "config.yaml").read_text()
         assert (runs / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
