@@ -1,0 +1,820 @@
+"""``oni-eval``: play N episodes with a trained policy and report how it does, with error bars.
+
+``oni-eval RUN_DIR_OR_CHECKPOINT`` loads the actor of a checkpoint written by ``oni-train`` (any
+``--arch``, any ``--intrinsic-reward``: acting needs only the actor), plays ``--episodes``
+games of the run's task (or ``--task``, if its actions are the same) in ``--workers`` processes,
+prints a table and, as its last line, one JSON object, and writes ``eval.json`` (the same object
+plus one row per episode) into the run folder. ``--record K`` also keeps K episodes as replay
+files (``RUN/replays/episode_000.npz``...) that ``oni-replay`` turns into an HTML player or a GIF.
+
+Which episodes count. The N episodes are cut into shards of ``--envs-per-worker`` games; a
+worker process plays a shard as one :class:`~torchrl_oni.envs.NLEBatchEnv`, and **each game
+slot plays exactly one counted episode** from a seed fixed before play (derived from
+``--seed`` and the shard index). Every episode that starts is counted and no episode is chosen
+by when it ends, so long episodes weigh as much as short ones (counting "the first N episodes to
+finish" would favour quick deaths). Slots whose episode is over keep stepping, uncounted, until
+the shard's longest episode ends. The games played depend on ``--seed``, ``--episodes`` and
+``--envs-per-worker`` only, not on ``--workers`` (shards go to whichever worker is free); the
+default ``--envs-per-worker`` is ``ceil(episodes / workers)`` (at most 32), so pass it to replay
+the very same games elsewhere. Actions are sampled from the policy as in training, or
+``--greedy`` (the most likely action); sampling is seeded per shard too.
+
+The JSON object (``eval.json`` adds ``per_episode``):
+
+========================  ===============================================================
+key                       meaning
+========================  ===============================================================
+``success_rate``          ``{mean, ci95: [lo, hi], successes, n}``; Wilson score interval
+``return`` ... ``scout``  ``{mean, std, ci95, min, max, n}`` for ``return`` (extrinsic),
+                          ``length``, ``max_dlvl`` (deepest dungeon level), ``xlvl``
+                          (experience level), ``gold``, ``score`` (NetHack's in-game score),
+                          ``kills``, ``scout`` (squares seen); ci95 from Student's t
+``end_status``            episodes per ending: ``death``, ``timeout``, ``success``
+``death_causes``          deaths per NetHack ending (``died``, ``starved``, ``choked``...)
+``messages``              ``sightings`` (non-empty messages seen, every observation of every
+                          episode), ``distinct``, ``top`` (``[{message, count, label}]``),
+                          and with a caption store: ``labelled_share`` and ``approved_share``
+                          (of sightings; approved = label > 0.5) and ``approved_per_episode``
+                          (distinct approved captions per episode, as benchmarks/learning_check)
+``checkpoint`` ...        where it came from: ``checkpoint``, ``task``, ``trained_task``,
+                          ``arch``, ``intrinsic_reward``, ``frames_trained``, ``policy``,
+                          ``seed``, ``episodes``, ``workers``, ``envs_per_worker``,
+                          ``caption_store``, ``replays``, ``steps``, ``time_s``
+========================  ===============================================================
+
+A bad path, a truncated checkpoint, a task whose actions differ from the run's or a bad flag end
+with one ``oni-eval: error: ...`` line and exit status 2.
+
+Example:
+    >>> import tempfile
+    >>> from torchrl_oni.train import TrainConfig, Trainer
+    >>> from torchrl_oni.evaluate import evaluate
+    >>> run = tempfile.mkdtemp()
+    >>> cfg = TrainConfig(frames=128, workers=1, envs_per_worker=2, rollout=32, logdir=run,
+    ...                   max_episode_steps=20, progress=False, tensorboard=False)
+    >>> _ = Trainer(cfg).save()  # an untrained policy is enough to evaluate
+    >>> result = evaluate(run, episodes=3, workers=1, progress=False)
+    >>> result["episodes"], result["length"]["max"] <= 20, sorted(result["end_status"])
+    (3, True, ['death', 'success', 'timeout'])
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .atomic import atomic_write
+from .captions import decode_message, hash_bytes
+from .cli_errors import OneLineArgumentParser, report
+
+__all__ = ["evaluate", "EvalError", "wilson_interval", "mean_ci", "format_table", "main", "EVAL_NAME"]
+
+PROG = "oni-eval"
+EVAL_NAME = "eval.json"
+REPLAY_DIR = "replays"
+CAPTION_STORE_NAME = "captions.pt"  # the run folder's store (train/intrinsic.py writes it there)
+MAX_GAMES_PER_SHARD = 32
+TOP_MESSAGES = 20
+APPROVED = 0.5  # a label above this is "approved" (as benchmarks/learning_check.py counts it)
+TTY_KEYS = ("tty_chars", "tty_colors", "tty_cursor")
+STAT_KEYS = ("return", "length", "max_dlvl", "xlvl", "gold", "score", "kills", "scout")
+END_NAMES = {-1: "timeout", 0: "running", 1: "death", 2: "success"}
+_BL_SCORE, _BL_DEPTH = 9, 12  # NLE blstats indices
+_EMPTY_HASH = hash_bytes(b"")
+
+
+class EvalError(ValueError):
+    """Bad ``oni-eval`` input: a path, a checkpoint, a task or a flag (one line, exit 2)."""
+
+
+# ---------------------------------------------------------------------- statistics
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple:
+    """Wilson score interval of a binomial proportion (95 % by default).
+
+    Unlike the normal approximation it stays inside [0, 1] and is not empty at 0 or n successes.
+
+    Example:
+        >>> [round(x, 4) for x in wilson_interval(0, 10)]
+        [0.0, 0.2775]
+        >>> [round(x, 4) for x in wilson_interval(5, 10)]
+        [0.2366, 0.7634]
+    """
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+# two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (standard tables)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5 % quantile of Student's t: a table up to 30 degrees of freedom, then the
+    Cornish-Fisher expansion around the normal quantile (error < 1e-4 there).
+
+    Example:
+        >>> round(t_quantile_975(9), 3), round(t_quantile_975(100), 3)
+        (2.262, 1.984)
+    """
+    if df < 1:
+        raise ValueError("df must be >= 1")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def mean_ci(values: Sequence[float]) -> dict:
+    """``{mean, std, ci95, min, max, n}``: a Student-t 95 % interval of the mean (None below 2 values).
+
+    Example:
+        >>> r = mean_ci([1.0, 2.0, 3.0, 4.0])
+        >>> r["mean"], [round(x, 3) for x in r["ci95"]]
+        (2.5, [0.446, 4.554])
+    """
+    x = np.asarray(values, dtype=np.float64)
+    n = int(x.size)
+    if n == 0:
+        return {"mean": None, "std": None, "ci95": None, "min": None, "max": None, "n": 0}
+    mean = float(x.mean())
+    std = float(x.std(ddof=1)) if n > 1 else 0.0
+    ci = None
+    if n > 1:
+        half = t_quantile_975(n - 1) * std / math.sqrt(n)
+        ci = [mean - half, mean + half]
+    return {"mean": mean, "std": std, "ci95": ci, "min": float(x.min()), "max": float(x.max()), "n": n}
+
+
+# ---------------------------------------------------------------------- the run
+def _run_settings(state: dict) -> dict:
+    """The few settings of the trained run that evaluation needs.
+
+    The ONE place that reads the run's configuration (``state["config"]``: the
+    :class:`~torchrl_oni.train.TrainConfig` tree as a dict; older checkpoints hold flat names,
+    which ``from_dict`` also reads). Settings a checkpoint lacks take TrainConfig's defaults.
+    """
+    from .train.config import TrainConfig
+
+    raw = state.get("config")
+    try:
+        cfg = TrainConfig.from_dict(raw if isinstance(raw, dict) else {}, strict=False)
+    except (TypeError, ValueError) as err:
+        raise EvalError(f"the checkpoint's configuration cannot be read ({err})") from None
+    return {
+        "task": cfg.env.task,
+        "arch": cfg.ppo.arch,
+        "value_heads": int(cfg.ppo.value_heads),
+        "max_episode_steps": int(cfg.env.max_episode_steps),
+        "timeout_as_termination": bool(cfg.env.timeout_as_termination),
+        "intrinsic_reward": cfg.reward.intrinsic_reward,
+        "count_exponent": float(cfg.reward.count_exponent),
+        "caption_store": cfg.annotation.caption_store,
+    }
+
+
+def _resolve_checkpoint(path: str) -> tuple:
+    """``(checkpoint file, run folder)`` of a run folder or a checkpoint file."""
+    from .train.checkpoint import CHECKPOINT_NAME
+
+    p = Path(path)
+    if p.is_dir():
+        file = p / CHECKPOINT_NAME
+        if not file.is_file():
+            raise EvalError(f"{p} holds no {CHECKPOINT_NAME} (is it an oni-train run folder?)")
+        return file, p
+    if p.is_file():
+        return p, p.parent
+    raise EvalError(f"no run folder or checkpoint at {path}")
+
+
+def _load_state(file: Path) -> dict:
+    from .train.checkpoint import load_checkpoint
+
+    try:
+        state = load_checkpoint(str(file))
+    except Exception as err:  # truncated, not a torch file, or a pickle of something else
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise EvalError(f"{file} is not a readable checkpoint ({type(err).__name__}: {first})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("actor"), dict):
+        raise EvalError(f"{file} is not an oni-train checkpoint (no actor weights)")
+    return state
+
+
+def _num_actions(task: str) -> int:
+    from .envs.tasks import EXTENDED_ACTIONS, MOTIF_ACTIONS, TASKS
+
+    return len(EXTENDED_ACTIONS if TASKS[task]["extended_actions"] else MOTIF_ACTIONS)
+
+
+def _action_names(actions) -> List[str]:
+    return [f"{type(a).__name__}.{a.name}" for a in actions]
+
+
+def _build_actor(env, settings: dict, actor_state: dict):
+    """The run's actor on ``env``'s specs, with the checkpoint's weights (as train/ppo.py builds it)."""
+    from .train.policy import make_actor_critic, recurrent_primer
+
+    actor, _ = make_actor_critic(env, arch=settings["arch"], value_heads=settings["value_heads"])
+    try:
+        actor.load_state_dict(actor_state)
+    except (RuntimeError, KeyError) as err:
+        first = str(err).strip().splitlines()[0]
+        raise EvalError(f"the checkpoint's actor does not fit a {settings['arch']!r} policy on this task ({first})") from None
+    actor.eval()
+    primer = recurrent_primer(actor)
+    return actor, (primer.primers if primer is not None else None)
+
+
+# ---------------------------------------------------------------------- shards
+@dataclass(frozen=True)
+class Shard:
+    """``games`` game slots played together; slot i plays episode ``first_episode + i``."""
+
+    index: int
+    games: int
+    first_episode: int
+    seed: int
+    record: tuple  # slots whose episode is recorded
+
+
+def plan_shards(episodes: int, games_per_shard: int, seed: int, record: int = 0) -> List[Shard]:
+    """Cuts ``episodes`` into shards of at most ``games_per_shard`` slots; records episodes ``0..record-1``.
+
+    Example:
+        >>> [(s.games, s.first_episode, s.record) for s in plan_shards(5, 2, seed=0, record=3)]
+        [(2, 0, (0, 1)), (2, 2, (0,)), (1, 4, ())]
+    """
+    shards = []
+    for index, first in enumerate(range(0, episodes, games_per_shard)):
+        games = min(games_per_shard, episodes - first)
+        # a seed per shard from (seed, shard), far from the small seeds training derives
+        shard_seed = int(np.random.SeedSequence(int(seed), spawn_key=(index,)).generate_state(1)[0] % 2**31)
+        recorded = tuple(i for i in range(games) if first + i < record)
+        shards.append(Shard(index, games, first, shard_seed, recorded))
+    return shards
+
+
+class _Recorder:
+    """Frames of one game slot's episode: the tty screen, message, count, action, reward."""
+
+    def __init__(self, buffers: dict):
+        self.buffers = buffers  # the game's live NLE arrays (NetHack rewrites them every step)
+        self.frames: Dict[str, list] = {k: [] for k in (*TTY_KEYS, "message", "msg_count", "caption_hash", "action", "reward")}
+
+    def add(self, message, count: int, caption_hash: int, reward: float) -> None:
+        for key in TTY_KEYS:
+            self.frames[key].append(np.array(self.buffers[key], dtype=np.uint8))
+        self.frames["message"].append(np.asarray(message, dtype=np.uint8).copy())
+        self.frames["msg_count"].append(count)
+        self.frames["caption_hash"].append(caption_hash)
+        self.frames["reward"].append(reward)
+        self.frames["action"].append(-1)
+
+    def arrays(self) -> dict:
+        f = self.frames
+        return {
+            "tty_chars": np.stack(f["tty_chars"]),
+            "tty_colors": np.stack(f["tty_colors"]) & np.uint8(15),
+            "tty_cursor": np.stack(f["tty_cursor"]),
+            "message": np.stack(f["message"]),
+            "msg_count": np.asarray(f["msg_count"], dtype=np.int32),
+            "caption_hash": np.asarray(f["caption_hash"], dtype=np.int64),
+            "action": np.asarray(f["action"], dtype=np.int16),
+            "reward": np.asarray(f["reward"], dtype=np.float32),
+        }
+
+
+def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
+                on_episode: Callable[[], None]) -> dict:
+    """Plays one shard until each slot's episode is over; returns its episodes and recordings."""
+    from torchrl.envs import TransformedEnv
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+    from .train.ppo import EnvFactory  # the env exactly as training builds it (primers included)
+
+    task_kwargs = {"max_episode_steps": settings["max_episode_steps"],
+                   "timeout_as_termination": settings["timeout_as_termination"]}
+    if shard.record:
+        # the tty screens are kept only where an episode is recorded (NetHack fills every
+        # requested buffer on every step)
+        from .envs.tasks import OBSERVATION_KEYS
+
+        task_kwargs["observation_keys"] = tuple(OBSERVATION_KEYS) + TTY_KEYS
+    env = EnvFactory(settings["task"], shard.games, shard.seed, task_kwargs, primer_spec)()
+    games = (env.base_env if isinstance(env, TransformedEnv) else env).games
+    K = shard.games
+    torch.manual_seed(shard.seed)
+    mode = ExplorationType.DETERMINISTIC if greedy else ExplorationType.RANDOM
+
+    active = np.ones(K, dtype=bool)
+    last_score = np.zeros(K, dtype=np.int64)
+    max_depth = np.zeros(K, dtype=np.int64)
+    captions = [set() for _ in range(K)]
+    tails: List[list] = [[] for _ in range(K)]  # the last few non-empty messages of each episode
+    sightings: Counter = Counter()
+    texts: Dict[int, str] = {}
+    recorders = {i: _Recorder(games[i].nethack._obs_buffers) for i in shard.record}
+    episodes: List[dict] = []
+
+    def observe(obs, rows, rewards=None):
+        """Counts what the active slots ``rows`` see in ``obs`` (root or next entries)."""
+        blstats = obs.get("blstats").numpy()
+        hashes = obs.get("caption_hash").numpy()
+        counts = obs.get("msg_count").numpy()
+        messages = obs.get("message")
+        for i in rows:
+            if blstats[i].any():  # NetHack zeroes blstats once the game is over
+                last_score[i] = blstats[i, _BL_SCORE]
+                max_depth[i] = max(max_depth[i], blstats[i, _BL_DEPTH])
+            h = int(hashes[i])
+            if h != _EMPTY_HASH:
+                sightings[h] += 1
+                captions[i].add(h)
+                if h not in texts:
+                    texts[h] = decode_message(messages[i])
+                tail = tails[i]
+                tail.append(h)
+                if len(tail) > 3:
+                    del tail[0]
+            if i in recorders:
+                reward = 0.0 if rewards is None else float(rewards[i])
+                recorders[i].add(messages[i].numpy(), int(counts[i]), h, reward)
+
+    try:
+        td = env.reset()
+        observe(td, range(K))
+        with torch.no_grad(), set_exploration_type(mode):
+            while active.any():
+                td = actor(td)
+                actions = td.get("action").reshape(K).numpy()
+                for i, rec in recorders.items():
+                    if active[i]:
+                        rec.frames["action"][-1] = int(actions[i])
+                td = env.step(td)
+                nxt = td.get("next")
+                rows = np.flatnonzero(active)
+                observe(nxt, rows, nxt.get("reward").reshape(K).numpy())
+                done = nxt.get("done").reshape(K).numpy()
+                for i in np.flatnonzero(done & active):
+                    episodes.append(_episode_row(shard.first_episode + int(i), nxt.get("episode")[int(i)],
+                                                 games[i], last_score[i], max_depth[i], captions[i],
+                                                 [texts[h] for h in tails[i]]))
+                    active[i] = False
+                    on_episode()
+                td = env.maybe_reset(env.step_mdp(td))
+    finally:
+        env.close()
+    return {
+        "episodes": episodes,
+        "sightings": dict(sightings),
+        "texts": texts,
+        "recordings": {shard.first_episode + i: rec.arrays() for i, rec in recorders.items()},
+        "action_names": _action_names(games[0].actions) if games else [],
+    }
+
+
+def _episode_row(index, episode, game, score, max_depth, captions, tail) -> dict:
+    stats = {k: episode.get(k).item() for k in ("return", "length", "dlvl", "xlvl", "gold", "scout", "kills",
+                                                 "end_status", "success")}
+    end = END_NAMES.get(int(stats.pop("end_status")), "unknown")
+    cause = None
+    if end == "death":
+        how = game.nethack.how_done()  # read before the slot is reset
+        cause = getattr(how, "name", str(how)).lower()
+    return {
+        "episode": index,
+        "return": float(stats["return"]),
+        "length": int(stats["length"]),
+        "max_dlvl": int(max(max_depth, stats["dlvl"])),
+        "xlvl": int(stats["xlvl"]),
+        "gold": int(stats["gold"]),
+        "score": int(score),
+        "kills": int(stats["kills"]),
+        "scout": int(stats["scout"]),
+        "success": bool(stats["success"]),
+        "end": end,
+        "death_cause": cause,
+        "last_messages": tail,
+        "_captions": sorted(captions),
+    }
+
+
+# ---------------------------------------------------------------------- worker processes
+_WORKER: dict = {}
+
+
+def _init_worker(payload: dict, queue) -> None:
+    torch.set_num_threads(1)  # one core per worker; OpenMP threads beside the others cost more
+    _WORKER.update(payload)
+    _WORKER["queue"] = queue
+
+
+def _worker_shard(shard: Shard) -> dict:
+    settings = _WORKER["settings"]
+    if "actor" not in _WORKER:
+        from .envs.batched import NLEBatchEnv
+
+        probe = NLEBatchEnv(settings["task"], 1)
+        try:
+            _WORKER["actor"], _WORKER["primer"] = _build_actor(probe, settings, _WORKER["actor_state"])
+        finally:
+            probe.close()
+    queue = _WORKER["queue"]
+    return _play_shard(shard, settings, _WORKER["actor"], _WORKER["primer"], _WORKER["greedy"],
+                       lambda: queue.put(1))
+
+
+def _run_shards(shards, settings, actor, primer, actor_state, greedy, workers, bar) -> List[dict]:
+    if workers <= 1 or len(shards) == 1:
+        threads = torch.get_num_threads()
+        try:
+            with torch.random.fork_rng(devices=[]):  # the shards seed torch; the caller's stream is left alone
+                return [_play_shard(s, settings, actor, primer, greedy, lambda: bar.update(1)) for s in shards]
+        finally:
+            torch.set_num_threads(threads)  # the env factory sets one thread, as in a worker
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+    from queue import Empty
+
+    # spawn, not fork: the caller may hold threads (tqdm, a learner, an annotation worker)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    payload = {"settings": settings, "actor_state": actor_state, "greedy": greedy}
+    results: Dict[int, dict] = {}
+
+    def drain():
+        while True:
+            try:
+                bar.update(queue.get_nowait())
+            except Empty:
+                return
+
+    with ProcessPoolExecutor(max_workers=min(workers, len(shards)), mp_context=ctx,
+                             initializer=_init_worker, initargs=(payload, queue)) as pool:
+        futures = {pool.submit(_worker_shard, s): s.index for s in shards}
+        pending = set(futures)
+        try:
+            while pending:
+                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                drain()
+                for f in finished:
+                    results[futures[f]] = f.result()
+        except BrokenProcessPool as err:
+            raise RuntimeError(
+                f"an evaluation worker process died ({err}); from a script, call evaluate() under "
+                "`if __name__ == '__main__':` (workers are spawned and import the main module)"
+            ) from err
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+    drain()
+    return [results[s.index] for s in shards]
+
+
+# ---------------------------------------------------------------------- evaluation
+def _open_store(path: Optional[str]):
+    from .store import CaptionStore
+
+    try:
+        return CaptionStore.load(path)
+    except (FileNotFoundError, ValueError) as err:
+        raise EvalError(str(err)) from None
+
+
+def _find_store(run_dir: Path, settings: dict, caption_store: Optional[str]) -> Optional[str]:
+    """The caption store to read labels from: ``caption_store`` if given (``"none"``: none), else
+    the run folder's ``captions.pt``, else the run's ``--caption-store`` if that file exists."""
+    if caption_store is not None:
+        return None if caption_store == "none" else caption_store
+    for candidate in (run_dir / CAPTION_STORE_NAME, settings.get("caption_store")):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    return None
+
+
+def _labels_of(store, hashes: np.ndarray) -> np.ndarray:
+    """float32 labels of ``hashes``, NaN where the store has none."""
+    if store is None or len(hashes) == 0:
+        return np.full(len(hashes), np.nan, dtype=np.float32)
+    labels, found = store.lookup(torch.as_tensor(np.asarray(hashes, dtype=np.int64)))
+    return np.where(found.numpy(), labels.numpy(), np.nan).astype(np.float32)
+
+
+def evaluate(
+    path: str,
+    episodes: int = 32,
+    *,
+    task: Optional[str] = None,
+    seed: int = 0,
+    greedy: bool = False,
+    workers: Optional[int] = None,
+    envs_per_worker: Optional[int] = None,
+    max_episode_steps: Optional[int] = None,
+    record: int = 0,
+    record_dir: Optional[str] = None,
+    caption_store: Optional[str] = None,
+    output: Optional[str] = None,
+    write: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Plays ``episodes`` episodes with the policy of a run folder or checkpoint file.
+
+    Args:
+        path: an ``oni-train`` run folder or a checkpoint file.
+        episodes: episodes to play and count (see the module docstring for which).
+        task: the task to play (default: the run's); its actions must be the run's.
+        seed: seeds the games and the action sampling.
+        greedy: take the most likely action instead of sampling one.
+        workers: processes (default: the cores this process may use); 1 plays in this process.
+            Workers are spawned, so a script calling this with several must do so under
+            ``if __name__ == "__main__":``.
+        envs_per_worker: games one worker steps together (default ``ceil(episodes / workers)``, at
+            most 32); with ``seed`` it fixes which games are played.
+        max_episode_steps: step limit per episode (default: the run's).
+        record: keep the first ``record`` episodes as replay files in ``record_dir``
+            (default ``<run>/replays``).
+        caption_store: labels to judge messages by (default: the run's ``captions.pt``; ``"none"``).
+        output: where ``eval.json`` goes (default ``<run>/eval.json``); ``write=False``: nowhere.
+        progress: a progress bar over episodes (stderr).
+
+    Returns:
+        The ``eval.json`` dict (see the module docstring).
+
+    Raises:
+        EvalError: bad input, in one sentence.
+    """
+    from .envs.batched import NLEBatchEnv
+    from .envs.tasks import resolve_task
+
+    if episodes < 1:
+        raise EvalError(f"--episodes must be at least 1, got {episodes}")
+    if not 0 <= record <= episodes:
+        raise EvalError(f"--record must be between 0 and --episodes ({episodes}), got {record}")
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers < 1:
+        raise EvalError(f"--workers must be at least 1, got {workers}")
+    if envs_per_worker is None:
+        envs_per_worker = min(MAX_GAMES_PER_SHARD, -(-episodes // workers))
+    if envs_per_worker < 1:
+        raise EvalError(f"--envs-per-worker must be at least 1, got {envs_per_worker}")
+    if max_episode_steps is not None and max_episode_steps < 1:
+        raise EvalError(f"--max-episode-steps must be at least 1, got {max_episode_steps}")
+
+    file, run_dir = _resolve_checkpoint(path)
+    state = _load_state(file)
+    settings = _run_settings(state)
+    try:
+        trained_task = resolve_task(settings["task"])
+        play_task = resolve_task(task) if task else trained_task
+    except ValueError as err:
+        raise EvalError(str(err)) from None
+    if _num_actions(play_task) != _num_actions(trained_task):
+        raise EvalError(
+            f"task {play_task} has {_num_actions(play_task)} actions but the checkpoint's policy was trained on "
+            f"{trained_task} ({_num_actions(trained_task)} actions)"
+        )
+    settings["task"] = play_task
+    if max_episode_steps is not None:
+        settings["max_episode_steps"] = int(max_episode_steps)
+    store_path = _find_store(run_dir, settings, caption_store)
+    store = _open_store(store_path) if store_path else None
+
+    probe = NLEBatchEnv(play_task, 1)
+    try:
+        actor, primer = _build_actor(probe, settings, state["actor"])
+        action_names = _action_names(probe.games[0].actions)
+    finally:
+        probe.close()
+
+    shards = plan_shards(episodes, envs_per_worker, seed, record)
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    with tqdm(total=episodes, unit="episode", disable=not progress, dynamic_ncols=True, file=sys.stderr) as bar:
+        results = _run_shards(shards, settings, actor, primer, state["actor"], greedy, workers, bar)
+    elapsed = time.perf_counter() - t0
+
+    rows = sorted((row for r in results for row in r["episodes"]), key=lambda r: r["episode"])
+    assert len(rows) == episodes, (len(rows), episodes)
+    sightings: Counter = Counter()
+    texts: Dict[int, str] = {}
+    for r in results:
+        sightings.update(r["sightings"])
+        texts.update(r["texts"])
+
+    result = {
+        "checkpoint": str(file),
+        "task": play_task,
+        "trained_task": trained_task,
+        "arch": settings["arch"],
+        "intrinsic_reward": settings["intrinsic_reward"],
+        "frames_trained": int(state.get("frames", 0)),
+        "policy": "greedy" if greedy else "sampling",
+        "seed": int(seed),
+        "episodes": episodes,
+        "workers": int(min(workers, len(shards))),
+        "envs_per_worker": int(envs_per_worker),
+        "max_episode_steps": settings["max_episode_steps"],
+        "success_rate": None,
+    }
+    successes = sum(r["success"] for r in rows)
+    lo, hi = wilson_interval(successes, episodes)
+    result["success_rate"] = {"mean": successes / episodes, "ci95": [lo, hi], "successes": successes, "n": episodes}
+    for key in STAT_KEYS:
+        result[key] = mean_ci([r[key] for r in rows])
+    ends = Counter(r["end"] for r in rows)
+    result["end_status"] = {k: ends.get(k, 0) for k in ("death", "timeout", "success")}
+    result["end_status"].update({k: v for k, v in ends.items() if k not in result["end_status"]})
+    result["death_causes"] = dict(Counter(r["death_cause"] for r in rows if r["death_cause"]).most_common())
+    result["messages"] = _message_summary(sightings, texts, rows, store)
+    result["caption_store"] = store_path
+
+    replays = []
+    if record:
+        replays = _write_replays(results, rows, store, settings, result, action_names,
+                                 Path(record_dir) if record_dir else run_dir / REPLAY_DIR)
+    result["replays"] = replays
+    result["steps"] = int(sum(r["length"] for r in rows))
+    result["time_s"] = round(elapsed, 3)
+    result["per_episode"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    if write:
+        out = Path(output) if output else run_dir / EVAL_NAME
+        data = json.dumps(result, indent=1).encode("utf-8")
+        atomic_write(out, lambda f: f.write(data))
+        result["eval_json"] = str(out)
+    return result
+
+
+def _message_summary(sightings: Counter, texts: Dict[int, str], rows: List[dict], store) -> dict:
+    hashes = np.fromiter(sightings.keys(), dtype=np.int64, count=len(sightings))
+    counts = np.fromiter(sightings.values(), dtype=np.int64, count=len(sightings))
+    labels = _labels_of(store, hashes)
+    label_of = dict(zip(hashes.tolist(), labels.tolist()))
+    total = int(counts.sum())
+    out = {"sightings": total, "distinct": int(len(hashes))}
+    top = sightings.most_common(TOP_MESSAGES)
+    out["top"] = [{"message": texts[h], "count": int(c),
+                   "label": None if math.isnan(label_of[h]) else float(label_of[h])} for h, c in top]
+    if store is not None:
+        labelled = ~np.isnan(labels)
+        approved = labelled & (np.nan_to_num(labels, nan=0.0) > APPROVED)
+        out["labelled_share"] = float(counts[labelled].sum() / total) if total else None
+        out["approved_share"] = float(counts[approved].sum() / total) if total else None
+        approved_set = set(hashes[approved].tolist())
+        out["approved_per_episode"] = mean_ci([len(approved_set.intersection(r["_captions"])) for r in rows])
+    else:
+        out["labelled_share"] = out["approved_share"] = out["approved_per_episode"] = None
+    return out
+
+
+def _write_replays(results, rows, store, settings, result, action_names, folder: Path) -> List[str]:
+    from .replay import Episode, save_episode
+
+    by_index = {r["episode"]: r for r in rows}
+    written = []
+    recordings = {i: rec for r in results for i, rec in r["recordings"].items()}
+    for index in sorted(recordings):
+        arrays = dict(recordings[index])
+        hashes = arrays.pop("caption_hash")
+        label = _labels_of(store, hashes)
+        label[hashes == _EMPTY_HASH] = np.nan  # the empty message is not a caption worth showing
+        if settings["intrinsic_reward"] == "retrieval" and store is not None:
+            # what ONI-Retrieval pays: the stored label (0 without one) times msg_count ** -beta
+            beta = settings["count_exponent"]
+            paid = np.nan_to_num(label, nan=0.0) * arrays["msg_count"].astype(np.float64).clip(1) ** -beta
+            intrinsic = paid.astype(np.float32)
+        else:
+            intrinsic = np.full(len(hashes), np.nan, dtype=np.float32)
+        row = by_index[index]
+        stats = {k: row[k] for k in ("end", "return", "length", "score", "max_dlvl", "xlvl", "gold", "kills")}
+        if row["death_cause"]:
+            stats["death_cause"] = row["death_cause"]
+        meta = {
+            "task": result["task"], "checkpoint": result["checkpoint"], "episode": index,
+            "seed": result["seed"], "policy": result["policy"], "arch": result["arch"],
+            "intrinsic_reward": result["intrinsic_reward"], "count_exponent": settings["count_exponent"],
+            "action_names": action_names, "stats": stats,
+        }
+        episode = Episode(**arrays, label=label, intrinsic_reward=intrinsic, meta=meta)
+        written.append(str(save_episode(folder / f"episode_{index:03d}.npz", episode)))
+    # replays of an earlier evaluation that this one did not rewrite would pass for its own
+    keep = {Path(p).name for p in written}
+    for old in folder.glob("episode_*.npz"):
+        if re.fullmatch(r"episode_\d+\.npz", old.name) and old.name not in keep:
+            old.unlink()
+    return written
+
+
+# ---------------------------------------------------------------------- output
+def _fmt(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def format_table(result: dict) -> str:
+    """The human-readable report of an :func:`evaluate` result."""
+    lines = [
+        f"{result['checkpoint']} ({result['arch']}, {result['frames_trained']:,} frames trained) on {result['task']}: "
+        f"{result['episodes']} episodes, {result['policy']} actions, seed {result['seed']}",
+        "",
+        f"{'metric':<16}{'mean':>11}  {'95% CI':<23}{'min':>10}{'max':>10}",
+    ]
+    sr = result["success_rate"]
+    lines.append(f"{'success rate':<16}{sr['mean']:>11.3f}  {'[' + _fmt(sr['ci95'][0], 3) + ', ' + _fmt(sr['ci95'][1], 3) + ']':<23}"
+                 f"{sr['successes']:>10}/{sr['n']}")
+    names = {"max_dlvl": "max dlvl", "xlvl": "xp level", "scout": "squares seen"}
+    for key in STAT_KEYS:
+        s = result[key]
+        ci = "-" if s["ci95"] is None else f"[{_fmt(s['ci95'][0])}, {_fmt(s['ci95'][1])}]"
+        lines.append(f"{names.get(key, key):<16}{_fmt(s['mean']):>11}  {ci:<23}{_fmt(s['min'], 1):>10}{_fmt(s['max'], 1):>10}")
+    lines.append("")
+    lines.append("endings: " + ", ".join(f"{k} {v}" for k, v in result["end_status"].items()))
+    if result["death_causes"]:
+        lines.append("deaths: " + ", ".join(f"{k} {v}" for k, v in result["death_causes"].items()))
+    m = result["messages"]
+    head = f"most frequent messages ({m['sightings']:,} sightings, {m['distinct']:,} distinct"
+    if m["approved_share"] is not None:
+        head += (f"; the run's annotator labelled {100 * m['labelled_share']:.1f} % and approved "
+                 f"{100 * m['approved_share']:.1f} % of sightings, "
+                 f"{_fmt(m['approved_per_episode']['mean'])} approved captions per episode")
+    lines.append(head + "):")
+    lines.append(f"{'count':>8}  {'label':>5}  message")
+    for item in m["top"][:10]:
+        label = "-" if item["label"] is None else f"{item['label']:.2f}"
+        lines.append(f"{item['count']:>8}  {label:>5}  {item['message']}")
+    if result.get("replays"):
+        lines.append(f"replays: {len(result['replays'])} in {Path(result['replays'][0]).parent} (oni-replay FILE)")
+    lines.append(f"{result['steps']:,} steps in {result['time_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineArgumentParser(prog=PROG, description="Play episodes with a trained policy and report success, return, "
+                "levels, score and messages with 95 % confidence intervals.")
+    p.add_argument("path", help="an oni-train run folder or checkpoint file")
+    p.add_argument("--episodes", type=int, default=32, help="episodes to play (default: %(default)s)")
+    p.add_argument("--task", default=None, help="task to play (default: the run's; same actions required)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the games and the action sampling (default: %(default)s)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="take the most likely action")
+    mode.add_argument("--sample", dest="greedy", action="store_false", help="sample actions, as in training (default)")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: the cores available)")
+    p.add_argument("--envs-per-worker", type=int, default=None,
+                   help="games a worker plays at once (default: episodes / workers, at most 32)")
+    p.add_argument("--max-episode-steps", type=int, default=None, help="step limit per episode (default: the run's)")
+    p.add_argument("--record", type=int, default=0, metavar="K", help="keep the first K episodes as replay files")
+    p.add_argument("--record-dir", default=None, help="where replays go (default: RUN/replays)")
+    p.add_argument("--caption-store", default=None,
+                   help="labels to judge messages by (default: the run's captions.pt; 'none' to skip)")
+    p.add_argument("-o", "--output", default=None, help="where eval.json goes (default: RUN/eval.json)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs ``oni-eval``; returns the exit status (0 ok, 2 bad input)."""
+    import logging
+
+    logging.getLogger("torchrl").setLevel(logging.WARNING)  # its INFO lines (storage sizes) go to stdout
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # argparse already printed its one line (or --help)
+        return int(stop.code or 0)
+    try:
+        result = evaluate(
+            args.path, args.episodes, task=args.task, seed=args.seed, greedy=args.greedy, workers=args.workers,
+            envs_per_worker=args.envs_per_worker, max_episode_steps=args.max_episode_steps, record=args.record,
+            record_dir=args.record_dir, caption_store=args.caption_store, output=args.output, progress=args.progress,
+        )
+    except EvalError as err:
+        return report(PROG, str(err))
+    except OSError as err:  # an output folder that cannot be written
+        where = f": {err.filename}" if err.filename else ""
+        return report(PROG, (err.strerror or str(err)) + where)
+    print(format_table(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "per_episode"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
