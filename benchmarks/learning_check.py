@@ -63,11 +63,11 @@ def label_now(cfg, captions):
     """Labels captions with the run's annotator (same model and prompt); None where it failed."""
     import asyncio
 
-    from torchrl_oni.train.intrinsic import _make_annotator
+    from torchrl_oni.train.intrinsic import make_annotator
 
     if not captions:
         return []
-    annotator, server = _make_annotator(cfg)
+    annotator, server = make_annotator(cfg)
 
     async def go():
         try:
@@ -117,7 +117,7 @@ def main(argv=None):
 
     torch.set_num_threads(2)
     env = NLEBatchEnv("score", num_envs=16, seed=10_000 + args.seed)
-    actor, _ = make_actor_critic(env, arch=cfg.arch)
+    actor, _ = make_actor_critic(env, arch=cfg.ppo.arch)
     actor.load_state_dict(trainer.actor.state_dict())
 
     def random_policy(td):

@@ -51,7 +51,7 @@ def run_once(kind: str, frames: int, args, root: str) -> float:
     logdir = tempfile.mkdtemp(prefix=f"{kind}-", dir=root)
     cfg = TrainConfig(
         frames=frames, workers=args.workers, envs_per_worker=args.envs_per_worker, rollout=32,
-        intrinsic_reward=kind, intrinsic_coeff=0.0 if kind == "none" else 0.4, annotator="scripted",
+        intrinsic_reward=kind, annotator="scripted",
         logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9, seed=args.seed,
         minibatch_size=args.minibatch_size,
     )

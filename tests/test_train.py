@@ -27,10 +27,10 @@ def test_short_run_then_resume_continues_where_it_stopped(tmp_path):
     assert summary["frames"] >= 1024
     changed = any(not torch.equal(before[k], v) for k, v in trainer.actor.state_dict().items())
     assert changed, "PPO did not update the policy"
-    rows = read_metrics(cfg.logdir)
+    rows = read_metrics(cfg.log.logdir)
     assert len(rows) >= 8 and rows[-1]["frames"] >= 1024
     assert all(k in rows[-1] for k in ("fps", "train/loss_objective", "collect_fraction"))
-    state = load_checkpoint(cfg.logdir)
+    state = load_checkpoint(cfg.log.logdir)
     assert state["frames"] == trainer.frames and state["iterations"] == trainer.iterations
 
     cfg2 = _cfg(tmp_path, frames=2048, resume="auto")
@@ -41,7 +41,7 @@ def test_short_run_then_resume_continues_where_it_stopped(tmp_path):
     summary2 = resumed.train()
     assert summary2["frames"] >= 2048
     assert resumed.iterations > trainer.iterations
-    rows2 = read_metrics(cfg.logdir)
+    rows2 = read_metrics(cfg.log.logdir)
     assert len(rows2) > len(rows)
     assert [r["frames"] for r in rows2] == sorted(r["frames"] for r in rows2)
 
@@ -128,9 +128,9 @@ def test_wandb_offline_logging_needs_no_network(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = _cfg(tmp_path, frames=256, envs_per_worker=2, rollout=32, wandb=True)
     Trainer(cfg).train()
-    runs = [d for d in os.listdir(os.path.join(cfg.logdir, "wandb")) if d.startswith("offline-run")]
-    assert runs, os.listdir(os.path.join(cfg.logdir, "wandb"))
-    files = os.listdir(os.path.join(cfg.logdir, "wandb", runs[0]))
+    runs = [d for d in os.listdir(os.path.join(cfg.log.logdir, "wandb")) if d.startswith("offline-run")]
+    assert runs, os.listdir(os.path.join(cfg.log.logdir, "wandb"))
+    files = os.listdir(os.path.join(cfg.log.logdir, "wandb", runs[0]))
     assert any(f.endswith(".wandb") for f in files), files
 
 

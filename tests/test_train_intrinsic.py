@@ -184,18 +184,20 @@ def test_bad_intrinsic_settings_exit_2(tmp_path, capsys, flags, words):
 
 
 def test_reward_model_time_budget_spreads_owed_steps():
-    from torchrl_oni.train.intrinsic import _StepBudget
+    from torchrl_oni.rewards.classification import RewardModelSchedule
 
-    uncapped = _StepBudget(0.0, max_owed=100)
-    assert uncapped.steps_now(32) == 32  # ONI: every scheduled step at once
-    budget = _StepBudget(0.5, max_owed=64)
-    assert budget.steps_now(32) == 1  # first, measure what a step costs
+    uncapped = RewardModelSchedule(32, switch_at=1000, time_fraction=0.0)
+    assert uncapped.due(10) == 32 and uncapped.due(10) == 0  # ONI: every step at once, on new labels only
+    now = [0.0]
+    budget = RewardModelSchedule(32, switch_at=1000, time_fraction=0.5, max_owed=64, clock=lambda: now[0])
+    assert budget.due(10) == 1  # first, measure what a step costs
     budget.spent(1, 0.01)
     # 0.14 s went by, 0.01 s of it reward-model training: half of the other 0.13 s is credit,
     # less the 0.01 s the measured step already took -> 0.055 s = 5 steps of 10 ms
-    budget._last -= 0.14
-    n = budget.steps_now(0)
+    now[0] += 0.14
+    n = budget.due(10)  # no new labels: nothing added to what is owed
     assert n == 5 and budget.owed == 31
     budget.spent(n, 0.05)
     assert budget.owed == 26
-    assert budget.steps_now(1000) == 0 and budget.owed == 64  # debt is capped
+    assert budget.due(11) == 0 and budget.owed == 58  # new labels owe 32 more; no credit left
+    assert budget.due(12) == 0 and budget.owed == 64  # debt is capped

@@ -51,6 +51,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from torchrl_oni.cli_errors import OneLineArgumentParser, report
+
 __all__ = ["PANELS", "Panel", "PlotError", "load_run", "make_figure", "plot_runs", "main"]
 
 PROG = "oni-plot"
@@ -319,18 +321,9 @@ def plot_runs(
     return out
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and status 2, as the other oni-* tools
-        raise _UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``oni-plot`` argument parser."""
-    parser = _Parser(
+    parser = OneLineArgumentParser(
         prog=PROG,
         description="Plot the learning curves (return, success, dlvl/xlvl, intrinsic reward, "
                     "label coverage) of one or several oni-train runs into one PNG.",
@@ -351,10 +344,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs ``oni-plot``; returns the exit status (0 ok, 2 bad input)."""
     try:
         args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # argparse already printed its one line (or --help)
+        return int(stop.code or 0)
+    try:
         out = plot_runs(args.runs, args.output, x=args.x, smooth=args.smooth, title=args.title)
-    except (_UsageError, PlotError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+    except PlotError as err:
+        return report(PROG, str(err))
+    except OSError as err:  # -o is a folder, unwritable, disk full
+        return report(PROG, f"cannot write {args.output}: {err.strerror or err}")
     print(out)
     return 0
 

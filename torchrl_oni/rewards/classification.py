@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import time
 from typing import Optional, Protocol, Tuple, runtime_checkable
 
 import torch
@@ -47,6 +48,7 @@ from torchrl_oni.rewards.models import MessageClassifier, ServedModel, as_messag
 __all__ = [
     "LabelledCaptions",
     "RewardModelSchedule",
+    "ScheduledTraining",
     "holdout_mask",
     "labelled_arrays",
     "ClassificationReward",
@@ -64,11 +66,19 @@ class LabelledCaptions(Protocol):
 
 
 class RewardModelSchedule:
-    """How many reward-model gradient steps to run now (ONI's schedule, made configurable).
+    """How many reward-model gradient steps to run after a PPO iteration: ONI's rule, within a
+    wall-time budget. The one place that decides when reward models train.
 
-    While the dataset holds fewer than ``switch_at`` items, every batch of new labels triggers
-    ``steps_per_new_labels`` steps; from ``switch_at`` on, each PPO iteration triggers
-    ``steps_per_iteration_after`` steps and new labels trigger none.
+    The rule (ONI's, made configurable): while the dataset holds fewer than ``switch_at`` items,
+    every batch of new labels triggers ``steps_per_new_labels`` steps; from ``switch_at`` on, each
+    PPO iteration triggers ``steps_per_iteration_after`` steps and new labels trigger none.
+
+    The budget: with ``time_fraction`` f > 0, training may take at most a share f of the wall
+    time. Credit accrues as f × the wall time between calls (less the training itself); owed steps
+    run while the credit covers their measured cost, the rest wait for later iterations. Debt is
+    capped at ``max_owed`` (default 4 × ``steps_per_new_labels``): on a slow CPU the rule's demand
+    can exceed any budget, and old debt is worth less than fresh labels. f = 0 runs every step at
+    once (ONI's behaviour).
 
     Example:
         >>> s = RewardModelSchedule(steps_per_new_labels=32, switch_at=25_000)
@@ -76,8 +86,8 @@ class RewardModelSchedule:
         32
         >>> s.steps(dataset_size=30_000, new_labels=True, iteration_done=True)
         1
-        >>> s.steps(dataset_size=30_000, new_labels=True, iteration_done=False)
-        0
+        >>> s.due(dataset_size=100), s.due(dataset_size=100), s.due(dataset_size=120)
+        (32, 0, 32)
     """
 
     def __init__(
@@ -85,20 +95,85 @@ class RewardModelSchedule:
         steps_per_new_labels: int = 32,
         switch_at: int = 25_000,
         steps_per_iteration_after: int = 1,
+        time_fraction: float = 0.0,
+        max_owed: Optional[int] = None,
+        clock=time.perf_counter,
     ):
-        if steps_per_new_labels < 0 or steps_per_iteration_after < 0 or switch_at < 0:
+        if min(steps_per_new_labels, steps_per_iteration_after, switch_at, time_fraction) < 0:
             raise ValueError("RewardModelSchedule arguments must be non-negative")
         self.steps_per_new_labels = int(steps_per_new_labels)
         self.switch_at = int(switch_at)
         self.steps_per_iteration_after = int(steps_per_iteration_after)
+        self.time_fraction = float(time_fraction)
+        self.max_owed = int(max_owed) if max_owed is not None else 4 * max(self.steps_per_new_labels, 1)
+        self.clock = clock
+        self.owed = 0
+        self.credit = 0.0
+        self.step_cost: Optional[float] = None
+        self._seen_size = -1
+        self._last = clock()
+        self._spent_since = 0.0
 
     def steps(self, dataset_size: int, new_labels: bool, iteration_done: bool) -> int:
-        """Gradient steps to run given the dataset size and what just happened."""
+        """The rule alone: gradient steps given the dataset size and what just happened."""
         if dataset_size <= 0:
             return 0
         if dataset_size < self.switch_at:
             return self.steps_per_new_labels if new_labels else 0
         return self.steps_per_iteration_after if iteration_done else 0
+
+    def due(self, dataset_size: int) -> int:
+        """Call once per PPO iteration: the steps to run now (the rule, then the budget)."""
+        new_labels = dataset_size > self._seen_size
+        self._seen_size = max(self._seen_size, int(dataset_size))
+        # below switch_at the rule pays on new labels, above it on the finished iteration
+        new = self.steps(dataset_size, new_labels=new_labels, iteration_done=True)
+        if self.time_fraction <= 0:
+            self.owed = 0
+            return new
+        now = self.clock()
+        self.owed = min(self.owed + new, self.max_owed)
+        self.credit += self.time_fraction * max(now - self._last - self._spent_since, 0.0)
+        self._last, self._spent_since = now, 0.0
+        if not self.owed:
+            return 0
+        if self.step_cost is None:
+            return 1  # measure what one step costs first
+        return min(self.owed, int(self.credit // self.step_cost))
+
+    def spent(self, steps: int, seconds: float) -> None:
+        """Records that ``steps`` steps took ``seconds``."""
+        self._spent_since += seconds
+        if steps:
+            cost = seconds / steps
+            self.step_cost = cost if self.step_cost is None else 0.8 * self.step_cost + 0.2 * cost
+        if self.time_fraction > 0:
+            self.owed = max(self.owed - steps, 0)
+            self.credit = max(self.credit - seconds, -10 * (self.step_cost or 0.0))
+
+    def state_dict(self) -> dict:
+        return {"seen_size": self._seen_size, "owed": self.owed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._seen_size = int(state.get("seen_size", -1))
+        self.owed = int(state.get("owed", 0))
+
+
+class ScheduledTraining:
+    """``after_iteration()`` for reward-model trainers: runs what their schedule says is due.
+
+    A trainer provides ``schedule``, ``dataset_size_now()`` and ``train_steps(n)``.
+    """
+
+    def after_iteration(self) -> dict:
+        """Call after each PPO iteration: runs the steps the schedule says are due now."""
+        n = self.schedule.due(self.dataset_size_now())
+        if n <= 0:
+            return {"steps": 0}
+        start = self.schedule.clock()
+        result = self.train_steps(n)
+        self.schedule.spent(result.get("steps", 0), self.schedule.clock() - start)
+        return result
 
 
 def holdout_mask(hashes: torch.Tensor, fraction: float) -> torch.Tensor:
@@ -163,7 +238,7 @@ class ClassificationReward(ServedModel):
         self._load_model_state(state["model"])
 
 
-class ClassifierTrainer:
+class ClassifierTrainer(ScheduledTraining):
     """Trains a :class:`ClassificationReward`'s network online on the store's labels.
 
     Each :meth:`train_steps` call takes a snapshot of the labelled captions, splits off the
@@ -178,8 +253,7 @@ class ClassifierTrainer:
         holdout_fraction: share of captions kept for evaluation (0 to train on all).
         balance: ``"sampler"`` (half helpful, half not per batch), ``"weighted"`` (inverse
             class frequency weights in the loss) or ``"none"`` (ONI's plain CE).
-        schedule: the :class:`RewardModelSchedule` used by :meth:`on_new_labels` and
-            :meth:`after_iteration`.
+        schedule: the :class:`RewardModelSchedule` that :meth:`after_iteration` follows.
         device: where training runs (default: the reward's device).
         seed: seed of the minibatch sampler.
 
@@ -310,17 +384,11 @@ class ClassifierTrainer:
         """Hands an eval-mode copy of the trained network to the reward."""
         self.reward.swap_model(copy.deepcopy(self.model))
 
-    def on_new_labels(self) -> dict:
-        """Call when a batch of labels has arrived: runs the schedule's steps, if any."""
-        size = self.refresh()
-        return self.train_steps(self.schedule.steps(size, new_labels=True, iteration_done=False),
-                                refresh=False)
-
-    def after_iteration(self) -> dict:
-        """Call after each PPO iteration: runs the schedule's steps, if any."""
-        size = self.refresh()
-        return self.train_steps(self.schedule.steps(size, new_labels=False, iteration_done=True),
-                                refresh=False)
+    def dataset_size_now(self) -> int:
+        """Labelled captions in the store now (cheap when the store keeps counts)."""
+        if hasattr(self.store, "stats"):
+            return int(self.store.stats()["labelled"])
+        return self.refresh()
 
     @torch.no_grad()
     def evaluate(self, refresh: bool = True) -> dict:
@@ -362,3 +430,25 @@ class ClassifierTrainer:
         self.generator.set_state(state["generator"])
         self.total_steps = int(state["total_steps"])
         self.publish()
+
+
+# ------------------------------------------------------------------ registration (oni-train)
+from dataclasses import dataclass  # noqa: E402
+
+from torchrl_oni.config_tree import setting  # noqa: E402
+from torchrl_oni.rewards.registry import RewardParts, register_reward  # noqa: E402
+
+
+@dataclass
+class ClassificationSettings:
+    PREFIX = "classification"
+    threshold: float = setting(0.5, "pay 1 when the classifier's P(helpful) exceeds this")
+
+
+@register_reward("classification", labels=True, settings=ClassificationSettings,
+                 help="ONI-Classification: a classifier distils the labels and pays when sure")
+def _build(ctx) -> RewardParts:
+    reward = ClassificationReward(threshold=ctx.settings.threshold, device=ctx.device)
+    trainer = ClassifierTrainer(reward, ctx.store, lr=ctx.cfg.reward_model.lr, batch_size=ctx.cfg.reward_model.batch_size,
+                                schedule=ctx.schedule, seed=ctx.cfg.seed)
+    return RewardParts(reward, trainer=trainer)

@@ -18,7 +18,8 @@ The three offline phases of Motif (peers §1), as library functions and command-
 a valid column of the table (the original's default, -0.5, is not one and crashed, oni_spec
 §7.10).
 
-File formats (numpy ``.npz``):
+File formats (numpy ``.npz``, read with ``allow_pickle=False``; the reward checkpoint is a torch
+file read with ``weights_only=True``: none of them can run code when loaded):
 
 * pairs: ``first``, ``second``: ``uint8[N, 256]``.
 * annotations: ``preference`` ``float32[N]`` (P(second better); NaN = not labelled),
@@ -36,7 +37,6 @@ Example:
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import importlib
@@ -49,7 +49,8 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from torchrl_oni.atomic import atomic_write
+from torchrl_oni.cli_errors import OneLineArgumentParser, report
+from torchrl_oni.atomic import UnreadableFileError, atomic_write, safe_torch_load
 from torchrl_oni.captions import MESSAGE_LEN, decode_message, encode_messages, hash_messages
 from torchrl_oni.rewards.models import MessageRewardModel, as_message_tensor
 from torchrl_oni.rewards.ranking import UniqueCaptionPairSampler, bradley_terry_loss, pairwise_accuracy
@@ -118,14 +119,51 @@ def _save_npz_atomic(path: Path, **arrays) -> None:
     atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
+def _load_arrays(path, what: str, keys: Sequence[str] = ()) -> dict:
+    """The arrays of a ``.npy``/``.npz`` file (a ``.npy`` gives ``{"": array}``), never unpickled.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        UnreadableFileError: truncated, garbage, pickled or object data, or a missing key
+            (one-line message).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no {what} at {path}")
+    try:
+        data = np.load(path, allow_pickle=False)
+        if isinstance(data, np.ndarray):
+            arrays = {"": data}
+        else:
+            with data:
+                arrays = {k: data[k] for k in data.files}
+    except Exception as err:
+        text = str(err)
+        if "allow_pickle" in text:  # numpy refuses pickled files and object arrays
+            reason = "refused: pickled data" if "pickled data" in text else "refused: object arrays"
+        elif isinstance(err, EOFError) or not text:
+            reason = "empty or truncated"
+        else:
+            reason = "truncated or damaged" if "zip" in text.lower() or "truncat" in text.lower() else "not numpy data"
+        raise UnreadableFileError(f"{path} is not a readable {what} ({reason})") from None
+    missing = [k for k in keys if k not in arrays]
+    if missing:
+        raise UnreadableFileError(f"{path} is not a {what} (no {', '.join(map(repr, missing))} array)")
+    return arrays
+
+
 def load_annotations(path) -> dict:
-    """Reads an annotations file: ``{"preference", "status", "fingerprint"}``."""
-    with np.load(path, allow_pickle=False) as data:
-        return {
-            "preference": data["preference"].astype(np.float32),
-            "status": data["status"].astype(np.int8),
-            "fingerprint": str(data["fingerprint"]),
-        }
+    """Reads an annotations file: ``{"preference", "status", "fingerprint"}``.
+
+    Raises:
+        FileNotFoundError, UnreadableFileError: see :func:`_load_arrays`.
+    """
+    data = _load_arrays(path, "annotations file", ("preference", "status", "fingerprint"))
+    return {
+        "preference": data["preference"].astype(np.float32),
+        "status": data["status"].astype(np.int8),
+        "fingerprint": str(data["fingerprint"]),
+    }
 
 
 # --- 2. annotation ----------------------------------------------------------------------------
@@ -360,7 +398,9 @@ class MotifReward:
 
     Raises:
         ValueError: for a quantile that is not in the table, or a file that is not a
-            checkpoint of this format.
+            checkpoint of this format (:class:`~torchrl_oni.atomic.UnreadableFileError` for a
+            file that cannot be read: truncated, garbage, or holding more than tensors and
+            plain data; such a file is refused before any of it runs).
 
     Example:
         >>> import numpy as np
@@ -375,22 +415,29 @@ class MotifReward:
 
     def __init__(self, checkpoint, quantile: Optional[float] = 0.5, device="cpu",
                  chunk_size: int = 8192):
+        source = "the checkpoint"
         if not isinstance(checkpoint, dict):
             path = Path(checkpoint)
             if not path.is_file():
                 raise ValueError(f"no reward checkpoint at {path}")
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            checkpoint = safe_torch_load(path, what="Motif reward checkpoint")
+            source = str(path)
         if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError("not a torchrl_oni Motif reward checkpoint")
+            raise UnreadableFileError(f"{source} is not a torchrl_oni Motif reward checkpoint")
         self.device = torch.device(device)
         self.chunk_size = int(chunk_size)
         self.model = MessageRewardModel()
-        self.model.load_state_dict(checkpoint["model"])
+        try:
+            self.model.load_state_dict(checkpoint["model"])
+            self.mean = float(checkpoint["mean"])
+            self.std = float(checkpoint["std"])
+            levels = [round(float(q), 2) for q in checkpoint["quantile_levels"]]
+            self.quantile_table = dict(zip(levels, [float(v) for v in checkpoint["quantile_values"]]))
+        except (KeyError, RuntimeError, TypeError, ValueError) as err:
+            # load_state_dict's size-mismatch report spans many lines: name the problem only
+            detail = f"no {err}" if isinstance(err, KeyError) else type(err).__name__
+            raise UnreadableFileError(f"{source} is a damaged Motif reward checkpoint ({detail})") from None
         self.model.to(self.device).eval()
-        self.mean = float(checkpoint["mean"])
-        self.std = float(checkpoint["std"])
-        levels = [round(float(q), 2) for q in checkpoint["quantile_levels"]]
-        self.quantile_table = dict(zip(levels, [float(v) for v in checkpoint["quantile_values"]]))
         self.quantile = quantile
         if quantile is None:
             self.cut = None
@@ -419,23 +466,15 @@ class _CliError(Exception):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with a single-line error and exit status 2."""
-
-    def error(self, message):  # noqa: D401 - argparse API
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _run_cli(prog: str, build: Callable[[_Parser], None], body, argv) -> int:
-    parser = _Parser(prog=prog, description=build.__doc__)
+def _run_cli(prog: str, build: Callable[[OneLineArgumentParser], None], body, argv) -> int:
+    parser = OneLineArgumentParser(prog=prog, description=build.__doc__)
     build(parser)
     args = parser.parse_args(argv)
     try:
         body(args)
     except (_CliError, ValueError, OSError, KeyError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"{prog}: error: {msg}", file=sys.stderr)
-        return 2
+        return report(prog, msg)
     return 0
 
 
@@ -445,12 +484,11 @@ def _load_messages(path: str) -> np.ndarray:
         raise _CliError(f"no such file: {path}")
     if p.suffix == ".txt":
         return encode_messages(p.read_text(encoding="latin-1").splitlines())
-    if p.suffix == ".npy":
-        arr = np.load(p, allow_pickle=False)
-    elif p.suffix == ".npz":
-        with np.load(p, allow_pickle=False) as data:
-            key = "message" if "message" in data.files else data.files[0]
-            arr = data[key]
+    if p.suffix in (".npy", ".npz"):
+        arrays = _load_arrays(p, "messages file")
+        if not arrays:
+            raise _CliError(f"{path}: no arrays in the file")
+        arr = arrays["message"] if "message" in arrays else next(iter(arrays.values()))
     else:
         raise _CliError(f"{path}: expected .npy, .npz (key 'message') or .txt (one caption a line)")
     if arr.ndim < 2 or arr.shape[-1] != MESSAGE_LEN:
@@ -463,11 +501,10 @@ def _load_pairs(path: str) -> Tuple[np.ndarray, np.ndarray]:
     if not p.is_file():
         raise _CliError(f"no such file: {path}")
     try:
-        with np.load(p, allow_pickle=False) as data:
-            first, second = data["first"], data["second"]
-    except (KeyError, ValueError) as exc:
-        raise _CliError(f"{path}: not a pairs file with 'first' and 'second' arrays") from exc
-    return first.astype(np.uint8), second.astype(np.uint8)
+        data = _load_arrays(p, "pairs file", ("first", "second"))
+    except UnreadableFileError as exc:
+        raise _CliError(f"{exc}; expected a pairs file with 'first' and 'second' arrays") from None
+    return data["first"].astype(np.uint8), data["second"].astype(np.uint8)
 
 
 def _make_annotator(spec: str, kwargs_json: str):
@@ -607,6 +644,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
+
+
+# ------------------------------------------------------------------ registration (oni-train)
+from dataclasses import dataclass  # noqa: E402
+
+from torchrl_oni.config_tree import setting  # noqa: E402
+from torchrl_oni.rewards.registry import RewardParts, register_reward  # noqa: E402
+
+
+@dataclass
+class MotifSettings:
+    PREFIX = "motif"
+    reward_model: Optional[str] = setting(None, "reward-model checkpoint written by oni-train-reward",
+                                          aliases=("--reward-model",), metavar="PATH")
+    quantile: float = setting(0.5, "threshold quantile of the reward model's scores, 0.05..0.95")
+
+
+def _check(cfg) -> None:
+    if not cfg.reward.motif.reward_model:
+        raise ValueError("--intrinsic-reward motif needs --reward-model PATH (a checkpoint from oni-train-reward)")
+
+
+@register_reward("motif", settings=MotifSettings, check=_check,
+                 help="offline Motif: a frozen reward model trained on LLM preferences collected beforehand")
+def _build(ctx) -> RewardParts:
+    return RewardParts(MotifReward(ctx.settings.reward_model, quantile=ctx.settings.quantile, device=ctx.device))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from torchrl_oni.captions import MESSAGE_LEN
-from torchrl_oni.rewards.classification import RewardModelSchedule
+from torchrl_oni.rewards.classification import RewardModelSchedule, ScheduledTraining
 from torchrl_oni.rewards.models import MessageRewardModel, ServedModel, as_message_tensor
 from torchrl_oni.rewards.scaling import RunningMeanStd, threshold as threshold_values
 
@@ -149,7 +149,7 @@ class RankingReward(ServedModel):
         self._load_model_state(state["model"])
 
 
-class RankingTrainer:
+class RankingTrainer(ScheduledTraining):
     """Trains a :class:`RankingReward`'s network on labelled pairs (Bradley–Terry, ties = 0.5).
 
     Args:
@@ -158,8 +158,7 @@ class RankingTrainer:
         lr: Adam learning rate (1e-4 in ONI).
         batch_size: pairs per step (256 in ONI).
         max_grad_norm: gradient-norm clip (10 in ONI).
-        schedule: the :class:`RewardModelSchedule` for :meth:`on_new_labels` /
-            :meth:`after_iteration`.
+        schedule: the :class:`RewardModelSchedule` that :meth:`after_iteration` follows.
         device: where training runs (default: the reward's device).
 
     Example:
@@ -243,25 +242,14 @@ class RankingTrainer:
         """Hands an eval-mode copy of the trained network to the reward."""
         self.reward.swap_model(copy.deepcopy(self.model))
 
-    def _dataset_size(self, dataset_size: Optional[int]) -> int:
-        if dataset_size is not None:
-            return int(dataset_size)
+    def dataset_size_now(self) -> int:
+        """Labelled pairs in the store now."""
         counter = getattr(self.store, "num_labelled_pairs", None)
         if counter is not None:
             return int(counter())
         if hasattr(self.store, "stats"):
             return int(self.store.stats()["pairs_labelled"])
-        raise ValueError("pass dataset_size: the store has no num_labelled_pairs() or stats()")
-
-    def on_new_labels(self, dataset_size: Optional[int] = None) -> dict:
-        """Call when labelled pairs have arrived: runs the schedule's steps, if any."""
-        size = self._dataset_size(dataset_size)
-        return self.train_steps(self.schedule.steps(size, new_labels=True, iteration_done=False))
-
-    def after_iteration(self, dataset_size: Optional[int] = None) -> dict:
-        """Call after each PPO iteration: runs the schedule's steps, if any."""
-        size = self._dataset_size(dataset_size)
-        return self.train_steps(self.schedule.steps(size, new_labels=False, iteration_done=True))
+        raise TypeError("the store has neither num_labelled_pairs() nor stats()")
 
     def state_dict(self) -> dict:
         return {
@@ -375,14 +363,16 @@ class UniqueCaptionPairSampler:
                 self._hashes[i].copy(), self._hashes[j].copy())
 
     def state_dict(self) -> dict:
+        # tensors, not numpy arrays: checkpoints are read with torch.load(weights_only=True)
         return {
-            "messages": self._messages[: self.size].copy(),
-            "hashes": self._hashes[: self.size].copy(),
+            "messages": torch.from_numpy(self._messages[: self.size].copy()),
+            "hashes": torch.from_numpy(self._hashes[: self.size].copy()),
             "distinct_seen": self.distinct_seen,
             "rng": self.rng.bit_generator.state,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict` (tensors, or the numpy arrays older checkpoints hold)."""
         messages = np.asarray(state["messages"], dtype=np.uint8)[: self.capacity]
         hashes = np.asarray(state["hashes"], dtype=np.int64)[: self.capacity]
         self.size = len(hashes)
@@ -394,3 +384,51 @@ class UniqueCaptionPairSampler:
         self._slot = {int(h): k for k, h in enumerate(hashes)}
         self.distinct_seen = int(state["distinct_seen"])
         self.rng.bit_generator.state = state["rng"]
+
+
+# ------------------------------------------------------------------ registration (oni-train)
+from dataclasses import dataclass  # noqa: E402
+
+from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY  # noqa: E402
+from torchrl_oni.config_tree import setting  # noqa: E402
+from torchrl_oni.rewards.registry import RewardParts, register_reward  # noqa: E402
+
+
+@dataclass
+class RankingSettings:
+    PREFIX = "ranking"
+    threshold: float = setting(-0.5, "cut on the normalised ranking score")
+    raw: bool = setting(False, "pay the raw ranking score, as ONI's code did by accident")
+    pairs: int = setting(10, "caption pairs queued per collected batch (ONI: 10)")
+
+
+def _check(cfg) -> None:
+    if cfg.reward.ranking.pairs < 1:
+        raise ValueError("--ranking-pairs must be at least 1")
+
+
+@register_reward("ranking", pairs=True, settings=RankingSettings, check=_check,
+                 help="ONI-Ranking: a Bradley-Terry model of pairwise preferences")
+def _build(ctx) -> RewardParts:
+    settings, store = ctx.settings, ctx.store
+    # raw scores here; the transform normalises (frequency-weighted running statistics over every
+    # step, as ONI) and thresholds them after de-duplicating the batch
+    reward = RankingReward(normalize=False, device=ctx.device)
+    trainer = RankingTrainer(reward, store, lr=ctx.cfg.reward_model.lr, batch_size=ctx.cfg.reward_model.batch_size,
+                             schedule=ctx.schedule)
+    sampler = UniqueCaptionPairSampler(seed=ctx.cfg.seed)
+    backlog_limit = 2 * ctx.cfg.annotation.llm_batch_size
+
+    def queue_pairs(batch):
+        sampler.observe(batch.get(MESSAGE_KEY).reshape(-1, MESSAGE_LEN), batch.get(CAPTION_HASH_KEY).reshape(-1))
+        stats = store.stats()
+        # ONI queued 10 pairs per minibatch while fewer than 2 × batch size were waiting
+        if stats["pairs"] - stats["pairs_labelled"] < backlog_limit:
+            _, _, h1, h2 = sampler.sample_pairs(settings.pairs)
+            if len(h1):
+                store.add_pairs(h1, h2)
+                ctx.wake_annotator()
+
+    normalize = not settings.raw
+    return RewardParts(reward, trainer=trainer, on_batch=queue_pairs, normalize=normalize,
+                       threshold=settings.threshold if normalize else None, stateful={"sampler": sampler})

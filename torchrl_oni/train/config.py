@@ -1,151 +1,301 @@
-"""Training configuration: one dataclass, the defaults a CPU laptop can run in minutes.
+"""Training configuration: one tree of dataclasses, the single source of truth for ``oni-train``.
 
-The paper-scale settings (480 envs, batch 4096, lr 1e-4, entropy 0.003, clip 0.1, GRU core)
-are one flag away: ``--preset oni``.
+Every setting is declared once below with its default and help text; ``oni-train``'s flags,
+``--help``, the run folder's ``config.yaml`` and ``TrainConfig(...)`` keyword construction are all
+derived from these declarations (:mod:`torchrl_oni.config_tree`). The tree:
+
+==================  ===============================================================  ===========
+section             what                                                             flags
+==================  ===============================================================  ===========
+(root)              frames, seed, learner device                                     ``--frames``
+``env``             task, worker processes, games per process, rollout, step limit   ``--task``
+``ppo``             policy network, value heads, optimiser and PPO loss              ``--lr``
+``reward``          extrinsic/intrinsic mix, the intrinsic reward type, count decay  ``--intrinsic-reward``
+``reward.<type>``   settings of one intrinsic reward type, declared by its module     ``--ranking-threshold``
+``annotation``      who labels captions: rules or an LLM server (URL, model, prompt)  ``--llm-url``
+``reward_model``    training of the classification/ranking reward models             ``--rm-lr``
+``log``             run folder, checkpoints, metrics, wandb, resume                  ``--logdir``
+``distributed``     where env workers run (this machine or a Ray cluster)            ``--backend``
+==================  ===============================================================  ===========
+
+Derived defaults live here too: ``intrinsic_coeff`` left unset is 0.4 with an intrinsic
+reward and 0 without (:meth:`TrainConfig.resolved`), whether the configuration comes from the
+command line, a file or Python.
+
+Example:
+    >>> from torchrl_oni.train.config import TrainConfig
+    >>> cfg = TrainConfig(intrinsic_reward="retrieval", workers=1)
+    >>> cfg.env.workers, cfg.reward.intrinsic_reward, cfg.resolved().reward.intrinsic_coeff
+    (1, 'retrieval', 0.4)
+    >>> TrainConfig(ranking_threshold=-1.0).reward.ranking.threshold
+    -1.0
+    >>> TrainConfig.from_yaml(TrainConfig(frames=2048).to_yaml()).frames
+    2048
 """
-from __future__ import annotations
-
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, make_dataclass
+from typing import Literal, Optional, Tuple
 
-INTRINSIC_REWARDS = ("none", "retrieval", "classification", "ranking", "motif", "bow")
+from ..config_tree import (
+    check_values,
+    dump_yaml,
+    flat_init,
+    from_dict,
+    leaves,
+    load_yaml,
+    parse_count,
+    replace_flat,
+    setting,
+    to_dict,
+)
+
+__all__ = ["TrainConfig", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTATORS", "GOALS", "ARCHS", "intrinsic_rewards"]
+
 ANNOTATORS = ("llm", "scripted")
 GOALS = ("default", "combat", "gold", "stairs", "zero-knowledge")
+ARCHS = ("light", "oni", "oni-lstm")
+CONFIG_NAME = "config.yaml"  # the run folder's copy of its configuration
+DEFAULT_INTRINSIC_COEFF = 0.4  # ONI's coefficient of the intrinsic reward (oni_spec §5)
+
+
+def intrinsic_rewards() -> Tuple[str, ...]:
+    """``none`` and every registered intrinsic reward type (:mod:`torchrl_oni.rewards.registry`)."""
+    from ..rewards.registry import reward_names
+
+    return reward_names()
 
 
 @dataclass
-class TrainConfig:
-    task: str = "score"
-    frames: int = 300_000
-    workers: int = 2
-    envs_per_worker: int = 32
-    rollout: int = 32  # steps per env per collected batch (ONI: 32)
-    seed: int = 0
-    logdir: str = "runs/oni"
-    device: str = "auto"  # learner device; env workers always run on CPU
-    arch: str = "light"  # light | oni (GRU core) | oni-lstm
-    value_heads: int = 1  # 1: one value of the mixed reward; 2: extrinsic and intrinsic heads
-    # rewards
-    extrinsic_coeff: float = 1.0
-    intrinsic_coeff: float = 0.0
-    intrinsic_reward: str = "none"
-    extrinsic_clip: Optional[float] = 10.0  # ONI clips the env reward to ±10; None: no clip
-    timeout_as_termination: bool = False
-    max_episode_steps: int = 5000
-    # PPO
-    lr: float = 3e-4
-    gamma: float = 0.99
-    gae_lambda: float = 0.95
-    clip_epsilon: float = 0.2
-    entropy_coeff: float = 0.01
-    critic_coeff: float = 0.5
-    max_grad_norm: float = 4.0
-    minibatch_size: int = 1024
-    ppo_epochs: int = 1
-    # bookkeeping
-    checkpoint_every: int = 100_000  # frames
-    log_every: int = 1  # PPO iterations
-    stats_window: int = 100  # episodes averaged in the logs
-    wandb: bool = False
-    wandb_mode: str = "offline"
-    tensorboard: bool = True
-    progress: bool = True
-    resume: Optional[str] = None
-    llm_url: Optional[str] = None
-    # intrinsic reward (see train/intrinsic.py)
-    annotator: str = "llm"  # llm (--llm-url or the embedded server) | scripted (rules, no LLM)
-    llm_model: Optional[str] = None  # served name with --llm-url; packaged model otherwise
-    llm_prompt: str = "auto"  # auto (short+logprobs for the embedded server, tagged for a URL)
-    llm_batch_size: int = 100  # captions per annotation request (ONI: 100)
-    llm_concurrency: int = 4
-    goal: str = "default"
-    caption_store: Optional[str] = None  # default <logdir>/captions.pt
-    reward_message: str = "acted"  # acted (ONI) | next
-    count_exponent: float = 3.0  # beta of msg_count ** -beta
-    classification_threshold: float = 0.5
-    ranking_threshold: float = -0.5
-    ranking_raw: bool = False  # True: pay the raw ranking score, as ONI's code did by accident
-    ranking_pairs: int = 10  # pairs queued per batch (ONI: 10)
-    reward_model: Optional[str] = None  # motif checkpoint from oni-train-reward
-    motif_quantile: float = 0.5
-    bow_threshold: float = -0.5
-    bow_vectors: str = "auto"  # auto | minilm | hashed
-    rm_lr: float = 1e-4
-    rm_batch_size: int = 256
-    rm_steps_per_labels: int = 32
-    rm_switch_at: int = 25_000
-    rm_steps_per_iteration: int = 1
-    # share of the trainer's wall time reward-model training may take (steps owed by the
-    # schedule are spread over later iterations); None: 0.1 when it trains on CPU, no cap on GPU
-    rm_time_fraction: Optional[float] = None
-    extra: dict = field(default_factory=dict)
+class EnvConfig:
+    task: str = setting("score", "score, oracle, oracle-sober, staircase, staircase-lvl3, staircase-lvl4, "
+                        "or a full task id such as NetHackScore-v1")
+    workers: int = setting(2, "env worker processes (one core each)")
+    envs_per_worker: int = setting(32, "NetHack games stepped by each worker process")
+    rollout: int = setting(32, "steps per game in one collected batch (ONI: 32)")
+    max_episode_steps: int = setting(5000, "step limit of an episode")
+    timeout_as_termination: bool = setting(False, "treat the step limit as a terminal state, like the original "
+                                           "ONI (default: truncation, which bootstraps)")
 
+
+@dataclass
+class PPOConfig:
+    arch: Literal["light", "oni", "oni-lstm"] = setting("light", "policy network: light (small MLP), oni (ONI's GRU "
+                                                        "network) or oni-lstm")
+    value_heads: int = setting(1, "1: one value of the mixed reward (ONI); 2: separate extrinsic and intrinsic "
+                               "heads and GAEs", choices=(1, 2))
+    lr: float = setting(3e-4, "Adam learning rate")
+    gamma: float = setting(0.99, "discount factor of future rewards")
+    gae_lambda: float = setting(0.95, "GAE lambda (bias–variance trade-off of the advantages)")
+    clip_epsilon: float = setting(0.2, "PPO ratio clip")
+    entropy_coeff: float = setting(0.01, "entropy bonus coefficient")
+    critic_coeff: float = setting(0.5, "value loss coefficient")
+    max_grad_norm: float = setting(4.0, "gradient norm clip")
+    minibatch_size: int = setting(1024, "steps per PPO minibatch")
+    ppo_epochs: int = setting(1, "passes over each collected batch")
+
+
+@dataclass
+class AnnotationConfig:
+    annotator: Literal["llm", "scripted"] = setting("llm", "who labels captions: llm (an LLM server) or scripted "
+                                                    "(hand-written rules, no LLM)")
+    llm_url: Tuple[str, ...] = setting((), "OpenAI-compatible server(s), e.g. http://gpu-node:8000/v1; several "
+                                       "URLs form a pool (default: start the embedded CPU server)",
+                                       default_factory=tuple, metavar="URL")
+    llm_model: Optional[str] = setting(None, "served model name (default: the only model the server lists); "
+                                       "without --llm-url: the packaged model the embedded server loads")
+    llm_api_key: Optional[str] = setting(None, "API key sent as 'Authorization: Bearer KEY' (default: the "
+                                         "OPENAI_API_KEY environment variable; never written to the run folder)",
+                                         secret=True)
+    llm_prompt: Literal["auto", "tagged", "short"] = setting(
+        "auto", "auto: short yes/no with logprobs for the embedded server, ONI's tagged prompt for --llm-url")
+    llm_batch_size: int = setting(100, "most captions per LLM request (ONI: 100); the client adapts below it")
+    llm_concurrency: int = setting(4, "LLM requests in flight")
+    llm_timeout: Optional[float] = setting(None, "seconds before an LLM request is abandoned (default: adapts "
+                                           "to the latency the server shows)")
+    goal: Literal["default", "combat", "gold", "stairs", "zero-knowledge"] = setting(
+        "default", "what counts as progress for the annotator and the goal-based rewards")
+    caption_store: Optional[str] = setting(None, "caption/label store, loaded if it exists and saved at "
+                                           "checkpoints (default: LOGDIR/captions.pt)", metavar="PATH")
+
+
+@dataclass
+class RewardModelConfig:
+    PREFIX = "rm"
+    lr: float = setting(1e-4, "reward-model Adam learning rate")
+    batch_size: int = setting(256, "reward-model minibatch size")
+    steps_per_labels: int = setting(32, "reward-model steps whenever new labels arrived, below --rm-switch-at "
+                                    "labelled items")
+    switch_at: int = setting(25_000, "labelled items from which training runs per PPO iteration instead")
+    steps_per_iteration: int = setting(1, "reward-model steps per PPO iteration from --rm-switch-at on")
+    time_fraction: Optional[float] = setting(
+        None, "cap on the share of wall time spent training the reward model; owed steps are spread over later "
+        "iterations (none: 0.1 on CPU, no cap on GPU; 0: no cap)")
+
+
+@dataclass
+class LogConfig:
+    logdir: str = setting("runs/oni", "run folder: config.yaml, metrics.csv, tensorboard/, checkpoint.pt, "
+                          "captions.pt")
+    checkpoint_every: int = setting(100_000, "frames between checkpoints", parse=parse_count)
+    log_every: int = setting(1, "PPO iterations between metrics rows")
+    stats_window: int = setting(100, "episodes averaged in the logged episode statistics")
+    tensorboard: bool = setting(True, "write TensorBoard logs")
+    progress: bool = setting(True, "show a progress bar")
+    wandb: bool = setting(False, "also log to Weights & Biases")
+    wandb_mode: Literal["offline", "online"] = setting("offline", "wandb: offline (files in the run folder, sync later) or online")
+    resume: Optional[str] = setting(None, "continue a run: from LOGDIR/checkpoint.pt (no value) or the given "
+                                    "checkpoint file", nargs="?", const="auto", metavar="CHECKPOINT")
+
+
+@dataclass
+class DistributedConfig:
+    backend: Literal["local", "ray"] = setting("local", "where env workers run: local processes, or Ray actors on "
+                                               "any node of a Ray cluster")
+    ray_address: Optional[str] = setting(None, "Ray cluster to join: auto, or HOST:PORT (default: start a local "
+                                         "Ray instance)")
+
+
+def _reward_sections():
+    """``(name, type, field)`` of every registered reward type that declares settings."""
+    from ..rewards.registry import reward_types
+
+    return [(name, spec.settings, field(default_factory=spec.settings))
+            for name, spec in sorted(reward_types().items()) if spec.settings is not None]
+
+
+# The reward section: the mix, plus one sub-section per reward type that has settings. Reward
+# modules declare their own settings (rewards/registry.py), so adding a reward type touches only
+# its module; the sub-sections are gathered here once, when this module is imported.
+RewardConfig = make_dataclass("RewardConfig", [
+    ("intrinsic_reward", str, setting("none", "intrinsic reward type", choices=intrinsic_rewards)),
+    ("extrinsic_coeff", float, setting(1.0, "coefficient of the (clipped) env reward")),
+    ("intrinsic_coeff", Optional[float], setting(None, f"coefficient of the intrinsic reward (none: "
+                                                       f"{DEFAULT_INTRINSIC_COEFF} with an intrinsic reward, else 0)")),
+    ("extrinsic_clip", float, setting(10.0, "clip env rewards to ±this before the coefficient (ONI: 10); 0: no clip")),
+    ("reward_message", Literal["acted", "next"], setting("acted", "which observation's message pays: acted (ONI: "
+                                                                  "the one the action was taken on) or next")),
+    ("count_exponent", float, setting(3.0, "beta in R(m) · msg_count^-beta")),
+    *_reward_sections(),
+])
+RewardConfig.__module__ = __name__  # pickling and get_type_hints look the class up here
+RewardConfig.__doc__ = "The reward PPO optimises: ext · clip(r_env) + int · count-decayed R(m)."
+
+
+@flat_init
+@dataclass
+class TrainConfig:
+    """Everything ``oni-train`` needs; build it from flat names (``TrainConfig(workers=1)``),
+    sections, a YAML file (:meth:`from_yaml`) or the command line."""
+
+    frames: int = setting(300_000, "total env frames, e.g. 3e5, 300k or 2M", parse=parse_count)
+    seed: int = setting(0, "random seed (games, networks, sampling)")
+    device: str = setting("auto", "learner device: auto, cpu, cuda, cuda:1 (env workers always run on CPU)")
+    env: EnvConfig = field(default_factory=EnvConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # type: ignore[valid-type]
+    annotation: AnnotationConfig = field(default_factory=AnnotationConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    # ------------------------------------------------------------------ derived
     @property
     def frames_per_batch(self) -> int:
         """Frames in one collected batch (one worker's K games × rollout steps)."""
-        return self.envs_per_worker * self.rollout
+        return self.env.envs_per_worker * self.env.rollout
 
+    @property
+    def logdir(self) -> str:
+        return self.log.logdir
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with the derived defaults filled in (what a run actually uses and records)."""
+        out = dataclasses.replace(self)
+        out.reward = dataclasses.replace(self.reward)
+        if out.reward.intrinsic_coeff is None:
+            out.reward.intrinsic_coeff = 0.0 if out.reward.intrinsic_reward == "none" else DEFAULT_INTRINSIC_COEFF
+        return out
+
+    def replace(self, **flat) -> "TrainConfig":
+        """A copy with flat-named settings changed: ``cfg.replace(frames=1024, lr=1e-3)``."""
+        return replace_flat(self, flat)
+
+    # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return to_dict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    def from_dict(cls, d: dict, strict: bool = True) -> "TrainConfig":
+        """From a nested dict (``config.yaml``, checkpoints) or flat names; ``strict=False`` skips
+        names this version does not know (checkpoints of older versions)."""
+        return from_dict(cls, d, strict=strict)
 
+    def to_yaml(self) -> str:
+        return dump_yaml(self)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "TrainConfig":
+        return load_yaml(cls, text)
+
+    # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        """Raises ``ValueError`` with one readable sentence for impossible settings."""
+        """Raises ``ValueError`` with one readable sentence for the first impossible setting."""
         from ..envs.tasks import resolve_task
+        from ..rewards.registry import reward_types
 
-        resolve_task(self.task)
+        for message in check_values(self):
+            raise ValueError(message)
+        resolve_task(self.env.task)
+        env, ppo, reward, ann, rm = self.env, self.ppo, self.reward, self.annotation, self.reward_model
         checks = [
             (self.frames > 0, "--frames must be positive"),
-            (self.workers >= 1, "--workers must be at least 1"),
-            (self.envs_per_worker >= 1, "--envs-per-worker must be at least 1"),
-            (self.rollout >= 2, "--rollout must be at least 2"),
-            (self.workers * self.envs_per_worker <= 4096, "at most 4096 games in total"),
+            (env.workers >= 1, "--workers must be at least 1"),
+            (env.envs_per_worker >= 1, "--envs-per-worker must be at least 1"),
+            (env.rollout >= 2, "--rollout must be at least 2"),
+            (env.workers * env.envs_per_worker <= 4096, "at most 4096 games in total"),
             (self.frames >= self.frames_per_batch,
              f"--frames ({self.frames}) is smaller than one batch "
              f"(envs-per-worker × rollout = {self.frames_per_batch})"),
-            (self.value_heads in (1, 2), "--value-heads must be 1 or 2"),
-            (self.arch in ("light", "oni", "oni-lstm"), f"unknown --arch {self.arch!r} (light, oni or oni-lstm)"),
-            (self.intrinsic_reward in INTRINSIC_REWARDS,
-             f"unknown --intrinsic-reward {self.intrinsic_reward!r} ({', '.join(INTRINSIC_REWARDS)})"),
-            (self.lr > 0, "--lr must be positive"),
-            (0 < self.gamma <= 1, "--gamma must be in (0, 1]"),
-            (self.minibatch_size >= 1, "--minibatch-size must be at least 1"),
-            (self.ppo_epochs >= 1, "--ppo-epochs must be at least 1"),
-            (self.checkpoint_every > 0, "--checkpoint-every must be positive"),
-            (self.max_episode_steps >= 1, "--max-episode-steps must be at least 1"),
-            (self.annotator in ANNOTATORS, f"unknown --annotator {self.annotator!r} (llm or scripted)"),
-            (self.goal in GOALS, f"unknown --goal {self.goal!r} ({', '.join(GOALS)})"),
-            (self.reward_message in ("acted", "next"), "--reward-message must be 'acted' or 'next'"),
-            (self.llm_prompt in ("auto", "tagged", "short"), "--llm-prompt must be auto, tagged or short"),
-            (self.count_exponent >= 0, "--count-exponent must be non-negative"),
-            (self.llm_batch_size >= 1 and self.llm_concurrency >= 1,
+            (env.max_episode_steps >= 1, "--max-episode-steps must be at least 1"),
+            (ppo.lr > 0, "--lr must be positive"),
+            (0 < ppo.gamma <= 1, "--gamma must be in (0, 1]"),
+            (0 <= ppo.gae_lambda <= 1, "--gae-lambda must be in [0, 1]"),
+            (ppo.minibatch_size >= 1, "--minibatch-size must be at least 1"),
+            (ppo.ppo_epochs >= 1, "--ppo-epochs must be at least 1"),
+            (self.log.checkpoint_every > 0, "--checkpoint-every must be positive"),
+            (self.log.log_every >= 1 and self.log.stats_window >= 1, "--log-every and --stats-window must be at least 1"),
+            (reward.extrinsic_clip >= 0, "--extrinsic-clip must be non-negative (0: no clip)"),
+            (reward.count_exponent >= 0, "--count-exponent must be non-negative"),
+            (ann.llm_batch_size >= 1 and ann.llm_concurrency >= 1,
              "--llm-batch-size and --llm-concurrency must be at least 1"),
-            (self.rm_batch_size >= 1 and self.rm_lr > 0, "--rm-batch-size must be >= 1 and --rm-lr > 0"),
-            (min(self.rm_steps_per_labels, self.rm_switch_at, self.rm_steps_per_iteration) >= 0,
+            (ann.llm_timeout is None or ann.llm_timeout > 0, "--llm-timeout must be positive"),
+            (rm.batch_size >= 1 and rm.lr > 0, "--rm-batch-size must be >= 1 and --rm-lr > 0"),
+            (min(rm.steps_per_labels, rm.switch_at, rm.steps_per_iteration) >= 0,
              "reward-model schedule settings must be non-negative"),
-            (self.rm_time_fraction is None or self.rm_time_fraction >= 0,
-             "--rm-time-fraction must be non-negative (0: no cap)"),
-            (self.ranking_pairs >= 1, "--ranking-pairs must be at least 1"),
-            (self.bow_vectors in ("auto", "minilm", "hashed"), "--bow-vectors must be auto, minilm or hashed"),
-            (self.intrinsic_reward != "motif" or bool(self.reward_model),
-             "--intrinsic-reward motif needs --reward-model PATH (a checkpoint from oni-train-reward)"),
-            (self.intrinsic_reward != "bow" or self.goal != "zero-knowledge",
-             "--intrinsic-reward bow needs a goal sentence; --goal zero-knowledge has none"),
+            (rm.time_fraction is None or rm.time_fraction >= 0, "--rm-time-fraction must be non-negative (0: no cap)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        if self.intrinsic_reward == "none" and self.intrinsic_coeff != 0.0:
-            raise ValueError("--intrinsic-coeff needs an --intrinsic-reward other than 'none'")
+        if reward.intrinsic_reward == "none":
+            if reward.intrinsic_coeff:
+                raise ValueError("--intrinsic-coeff needs an --intrinsic-reward other than 'none'")
+        else:
+            spec = reward_types()[reward.intrinsic_reward]
+            if spec.check is not None:
+                spec.check(self)
+
+    @staticmethod
+    def settings():
+        """Every leaf of the tree (:class:`~torchrl_oni.config_tree.Leaf`): flat name, flag, help."""
+        return leaves(TrainConfig)
 
 
+# Presets are configurations, not code paths: a preset is the base the flags are applied to.
 PRESETS = {
-    "default": {},
-    # ONI/Motif-like optimisation settings (the paper also used 480 games and many CPUs)
-    "oni": dict(arch="oni", lr=1e-4, clip_epsilon=0.1, entropy_coeff=0.003, minibatch_size=4096, rollout=32),
+    "default": TrainConfig(),
+    # ONI/Motif's optimisation settings and GRU policy (the paper also used 480 games and many CPUs)
+    "oni": TrainConfig(arch="oni", lr=1e-4, clip_epsilon=0.1, entropy_coeff=0.003, minibatch_size=4096, rollout=32),
 }
+
+INTRINSIC_REWARDS = intrinsic_rewards()

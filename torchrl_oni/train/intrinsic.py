@@ -12,18 +12,16 @@ trainer process (the collector's env workers only play):
 * on each collected batch (``on_batch``): the :class:`~torchrl_oni.transforms.LLMAnnotationTransform`
   (new captions go to the annotator in the background), ranking pairs for ``ranking``, then the
   :class:`~torchrl_oni.transforms.IntrinsicRewardTransform`;
-* after each PPO iteration (``after_update``): reward-model training for ``classification`` and
-  ``ranking`` on ONI's schedule (``--rm-steps-per-labels`` steps whenever new labels arrived
-  until ``--rm-switch-at`` items, then ``--rm-steps-per-iteration`` per iteration);
+* after each PPO iteration (``after_update``): reward-model training for types that have a
+  trainer, on the trainer's own :class:`~torchrl_oni.rewards.classification.RewardModelSchedule`
+  (ONI's rule within a wall-time budget);
 * ``metrics()``: label counts and balance, annotation health, reward-model accuracy, the mean
   intrinsic reward and the fraction of steps rewarded; the most rewarded messages of the last
   window go to ``<logdir>/top_messages.txt`` (the CSV holds numbers only).
 
-Reward sources: ``retrieval`` (:class:`~torchrl_oni.rewards.RetrievalReward`), ``classification``
-(:class:`~torchrl_oni.rewards.ClassificationReward`), ``ranking``
-(:class:`~torchrl_oni.rewards.RankingReward`, normalised and thresholded unless
-``--ranking-raw``), ``motif`` (:class:`~torchrl_oni.rewards.MotifReward`, frozen, from
-``--reward-model``), ``bow`` (:class:`~torchrl_oni.rewards.BoWReward`, no LLM).
+Reward types come from the registry (:mod:`torchrl_oni.rewards.registry`): each declares
+whether it needs labels or pairs from an annotator, its own settings and how it is built; the
+hook only assembles what the declaration asks for.
 
 A caption store reused from another run keeps that run's labels: use a fresh ``--caption-store``
 when changing ``--goal`` or the annotator.
@@ -40,7 +38,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_message
+from ..captions import MESSAGE_LEN, decode_message
 from .config import TrainConfig
 
 __all__ = ["build_intrinsic_hooks", "IntrinsicRewardHook", "TOP_MESSAGES_NAME", "CAPTION_STORE_NAME"]
@@ -49,14 +47,6 @@ log = logging.getLogger("torchrl_oni.train")
 
 TOP_MESSAGES_NAME = "top_messages.txt"
 CAPTION_STORE_NAME = "captions.pt"
-_NEEDS_LABELS = ("retrieval", "classification", "ranking")
-
-# Goal sentences for the bag-of-words reward: content words only (BoW has no notion of "not").
-_BOW_GOALS = {
-    "combat": "Kill monsters, fight and defeat enemies, gain experience levels.",
-    "gold": "Find gold, pick up gold pieces, collect coins and treasure.",
-    "stairs": "Find the staircase down, descend the stairs to deeper dungeon levels.",
-}
 
 
 class _PairsOnlyStore:
@@ -90,31 +80,32 @@ def _check_llm(annotator) -> None:
     asyncio.run(check())
 
 
-def _make_annotator(cfg: TrainConfig):
-    """``(annotator, server_handle or None)`` for the configured source."""
+def make_annotator(cfg: TrainConfig):
+    """``(annotator, server_handle or None)`` for ``cfg.annotation``, checked to answer."""
     from ..annotators import OpenAIAnnotator, ScriptedAnnotator
 
-    if cfg.annotator == "scripted":
-        return ScriptedAnnotator(goal=cfg.goal), None
+    ann = cfg.annotation
+    if ann.annotator == "scripted":
+        return ScriptedAnnotator(goal=ann.goal), None
     server = None
-    if cfg.llm_url:
-        if not cfg.llm_model:
+    if ann.llm_url:
+        url, model = ann.llm_url[0], ann.llm_model
+        if not model:
             raise ValueError("--llm-url needs --llm-model (the name the server lists at /v1/models)")
-        url, model = cfg.llm_url, cfg.llm_model
-        prompt = "tagged" if cfg.llm_prompt == "auto" else cfg.llm_prompt
+        prompt = "tagged" if ann.llm_prompt == "auto" else ann.llm_prompt
     else:
         from ..serve import DEFAULT_MODEL, start_embedded_server
 
         # One thread: the model answers in the background and must not take the learner's cores.
-        server = start_embedded_server(model=cfg.llm_model or DEFAULT_MODEL, threads=1)
+        server = start_embedded_server(model=ann.llm_model or DEFAULT_MODEL, threads=1)
         url, model = server.url, server.model
-        prompt = "short" if cfg.llm_prompt == "auto" else cfg.llm_prompt
+        prompt = "short" if ann.llm_prompt == "auto" else ann.llm_prompt
     small = prompt == "short"
     try:
         annotator = OpenAIAnnotator(
-            url, model, goal=cfg.goal, prompt=prompt, use_logprobs=small,
-            ranking="scores" if small else "direct", batch_size=cfg.llm_batch_size,
-            max_concurrency=cfg.llm_concurrency,
+            url, model, goal=ann.goal, prompt=prompt, use_logprobs=small,
+            ranking="scores" if small else "direct", batch_size=ann.llm_batch_size,
+            max_concurrency=ann.llm_concurrency,
         )
         _check_llm(annotator)
     except BaseException:
@@ -122,23 +113,6 @@ def _make_annotator(cfg: TrainConfig):
             server.stop()
         raise
     return annotator, server
-
-
-def _make_bow(cfg: TrainConfig):
-    from ..rewards.bow import DEFAULT_GOAL, BoWReward, HashedWordVectors, MiniLMTokenVectors
-
-    goal = DEFAULT_GOAL if cfg.goal == "default" else _BOW_GOALS[cfg.goal]
-    if cfg.bow_vectors == "hashed":
-        vectors = HashedWordVectors()
-    else:
-        try:
-            vectors = MiniLMTokenVectors()
-        except (ImportError, OSError, RuntimeError, ValueError) as err:
-            if cfg.bow_vectors == "minilm":
-                raise ValueError(f"--bow-vectors minilm: {err}") from None
-            log.warning("BoW: MiniLM vectors unavailable (%s); using hashed word vectors", err)
-            vectors = HashedWordVectors()
-    return BoWReward(goal, vectors=vectors, threshold=cfg.bow_threshold)
 
 
 class IntrinsicRewardHook:
@@ -156,86 +130,65 @@ class IntrinsicRewardHook:
 
     def __init__(self, cfg: TrainConfig):
         from ..rewards.classification import RewardModelSchedule
+        from ..rewards.registry import RewardContext, reward_types
         from ..transforms import IntrinsicRewardTransform
+        from .ppo import resolve_device
 
-        if cfg.intrinsic_reward == "none":
+        cfg = cfg.resolved()
+        if cfg.reward.intrinsic_reward == "none":
             raise ValueError("IntrinsicRewardHook needs an --intrinsic-reward other than 'none'")
         self.cfg = cfg
-        self.kind = cfg.intrinsic_reward
-        self.run_dir = cfg.logdir
+        self.kind = cfg.reward.intrinsic_reward
+        self.spec = reward_types()[self.kind]
+        self.run_dir = cfg.log.logdir
         self.store = None
         self.store_path: Optional[str] = None
         self.server = None
         self.annotation = None
-        self.rm_trainer = None
-        self.sampler = None
+        self.parts = None
         self.heldout: Dict[str, float] = {}
         self.rm_last: Dict[str, float] = {}
-        self._labelled_seen = -1
         self._window = _RewardWindow()
         self._closed = False
+        annotator = None
         try:
-            if self.kind in _NEEDS_LABELS:
-                annotator, self.server = _make_annotator(cfg)  # first: a dead server fails fast
+            device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
+            if self.spec.needs_annotator:
+                annotator, self.server = make_annotator(cfg)  # first: a dead server fails fast
                 self._open_store()
                 from ..annotation import LLMAnnotationTransform
 
-                worker_store = _PairsOnlyStore(self.store) if self.kind == "ranking" else self.store
+                # ranking needs preferences only: without the wrapper the worker would label every caption first
+                worker_store = self.store if self.spec.labels else _PairsOnlyStore(self.store)
                 self.annotation = LLMAnnotationTransform(
-                    worker_store, annotator, batch_size=cfg.llm_batch_size,
-                    max_concurrency=cfg.llm_concurrency, pairs=self.kind == "ranking",
+                    worker_store, annotator, batch_size=cfg.annotation.llm_batch_size,
+                    max_concurrency=cfg.annotation.llm_concurrency, pairs=self.spec.pairs,
                     close_annotator=True, poll_interval_s=0.5,
                 )
-            schedule = RewardModelSchedule(cfg.rm_steps_per_labels, cfg.rm_switch_at, cfg.rm_steps_per_iteration)
-            from .ppo import resolve_device
-
-            device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
-            fraction = cfg.rm_time_fraction
+            rm = cfg.reward_model
+            fraction = rm.time_fraction
             if fraction is None:
                 fraction = 0.1 if device.type == "cpu" else 0.0
-            self.rm_budget = _StepBudget(fraction, max_owed=4 * max(cfg.rm_steps_per_labels, 1))
-            if self.kind == "retrieval":
-                from ..rewards import RetrievalReward
-
-                reward = RetrievalReward(self.store)
-            elif self.kind == "classification":
-                from ..rewards import ClassificationReward, ClassifierTrainer
-
-                reward = ClassificationReward(threshold=cfg.classification_threshold, device=device)
-                self.rm_trainer = ClassifierTrainer(reward, self.store, lr=cfg.rm_lr,
-                                                    batch_size=cfg.rm_batch_size, schedule=schedule,
-                                                    seed=cfg.seed)
-            elif self.kind == "ranking":
-                from ..rewards import RankingReward, RankingTrainer, UniqueCaptionPairSampler
-
-                # raw scores here; the transform normalises (frequency-weighted running stats over
-                # every step, as ONI) and thresholds them after de-duplicating the batch
-                reward = RankingReward(normalize=False, device=device)
-                self.rm_trainer = RankingTrainer(reward, self.store, lr=cfg.rm_lr,
-                                                 batch_size=cfg.rm_batch_size, schedule=schedule)
-                self.sampler = UniqueCaptionPairSampler(seed=cfg.seed)
-            elif self.kind == "motif":
-                from ..rewards.motif import MotifReward
-
-                reward = MotifReward(cfg.reward_model, quantile=cfg.motif_quantile)
-            elif self.kind == "bow":
-                reward = _make_bow(cfg)
-            else:  # validate() keeps this unreachable
-                raise ValueError(f"unknown --intrinsic-reward {self.kind!r}")
+            schedule = RewardModelSchedule(rm.steps_per_labels, rm.switch_at, rm.steps_per_iteration,
+                                           time_fraction=fraction)
+            settings = getattr(cfg.reward, self.kind.replace("-", "_"), None) if self.spec.settings else None
+            wake = self.annotation.worker.wake if self.annotation is not None else (lambda: None)
+            self.parts = self.spec.build(RewardContext(cfg=cfg, settings=settings, store=self.store, device=device,
+                                                       schedule=schedule, annotator=annotator, wake_annotator=wake))
         except BaseException:
             self.close(save=False)  # a run that never started must not write a store
             raise
-        self.reward = reward
-        normalize = self.kind == "ranking" and not cfg.ranking_raw
-        self.transform = IntrinsicRewardTransform(reward, message=cfg.reward_message, beta=cfg.count_exponent,
-                                                  normalize=normalize,
-                                                  threshold=cfg.ranking_threshold if normalize else None)
+        self.reward = self.parts.reward
+        self.rm_trainer = self.parts.trainer
+        self.transform = IntrinsicRewardTransform(self.reward, message=cfg.reward.reward_message,
+                                                  beta=cfg.reward.count_exponent, normalize=self.parts.normalize,
+                                                  threshold=self.parts.threshold)
 
     # ------------------------------------------------------------------ store
     def _open_store(self) -> None:
         from ..store import CaptionStore
 
-        self.store_path = self.cfg.caption_store or os.path.join(self.run_dir, CAPTION_STORE_NAME)
+        self.store_path = self.cfg.annotation.caption_store or os.path.join(self.run_dir, CAPTION_STORE_NAME)
         if os.path.exists(self.store_path):
             self.store = CaptionStore.load(self.store_path)
             log.info("caption store: %d captions (%d labelled) from %s", len(self.store),
@@ -254,44 +207,19 @@ class IntrinsicRewardHook:
     def on_batch(self, batch: TensorDictBase, trainer=None) -> TensorDictBase:
         if self.annotation is not None:
             batch = self.annotation(batch)
-        if self.sampler is not None:
-            self._queue_pairs(batch)
+        if self.parts.on_batch is not None:
+            batch = self.parts.on_batch(batch) or batch
         batch = self.transform(batch)
         self._window.add(batch, self.transform)
         return batch
 
-    def _queue_pairs(self, batch: TensorDictBase) -> None:
-        messages = batch.get(MESSAGE_KEY)
-        hashes = batch.get(CAPTION_HASH_KEY)
-        self.sampler.observe(messages.reshape(-1, MESSAGE_LEN), hashes.reshape(-1))
-        stats = self.store.stats()
-        backlog = stats["pairs"] - stats["pairs_labelled"]
-        # ONI queued 10 pairs per minibatch while fewer than 2 × batch size were waiting.
-        if backlog < 2 * self.cfg.llm_batch_size:
-            _, _, h1, h2 = self.sampler.sample_pairs(self.cfg.ranking_pairs)
-            if len(h1):
-                self.store.add_pairs(h1, h2)
-                self.annotation.worker.wake()
-
     def after_update(self, trainer=None) -> None:
         if self.rm_trainer is None:
             return
-        stats = self.store.stats()
-        size = stats["pairs_labelled"] if self.kind == "ranking" else stats["labelled"]
-        new_labels = size > self._labelled_seen
-        self._labelled_seen = size
-        schedule = self.rm_trainer.schedule
-        owed = schedule.steps(size, new_labels=new_labels, iteration_done=False)
-        owed += schedule.steps(size, new_labels=False, iteration_done=True)
-        n = self.rm_budget.steps_now(owed)
-        if n <= 0:
-            return
-        start = time.perf_counter()
-        result = self.rm_trainer.train_steps(n)
-        self.rm_budget.spent(result.get("steps", 0), time.perf_counter() - start)
+        result = self.rm_trainer.after_iteration()
         if result.get("steps"):
             self.rm_last = result
-            if self.kind == "classification":
+            if hasattr(self.rm_trainer, "evaluate") and self.spec.labels:
                 self.heldout = self.rm_trainer.evaluate(refresh=False)
 
     def metrics(self) -> Dict[str, float]:
@@ -303,7 +231,7 @@ class IntrinsicRewardHook:
             out["labels/failed"] = s["failed"]
             out["labels/positive_fraction"] = s["positives"] / s["labelled"] if s["labelled"] else 0.0
             out["labels/seen_coverage"] = s["seen_coverage"]
-            if self.kind == "ranking":
+            if self.spec.pairs:
                 out["labels/pairs"] = s["pairs"]
                 out["labels/pairs_labelled"] = s["pairs_labelled"]
         if self.annotation is not None:
@@ -314,27 +242,34 @@ class IntrinsicRewardHook:
                     out[f"annotation/{key}"] = float(a[key])
         if self.rm_trainer is not None:
             out["reward_model/steps"] = self.rm_trainer.total_steps
-            out["reward_model/steps_owed"] = self.rm_budget.owed
+            out["reward_model/steps_owed"] = self.rm_trainer.schedule.owed
             for key in ("loss", "train_accuracy", "accuracy"):
                 if key in self.rm_last and np.isfinite(self.rm_last[key]):
                     out[f"reward_model/{key}"] = float(self.rm_last[key])
             for key in ("heldout_accuracy", "heldout_balanced_accuracy"):
                 if key in self.heldout and np.isfinite(self.heldout[key]):
                     out[f"reward_model/{key}"] = float(self.heldout[key])
+        if self.parts.metrics is not None:
+            out.update(self.parts.metrics())
         out.update(self._window.metrics())
         self._window.write_top(os.path.join(self.run_dir, TOP_MESSAGES_NAME), self.kind)
         self._window.reset()
         return out
 
+    def _stateful(self) -> Dict[str, object]:
+        objects = dict(self.parts.stateful or {})
+        if hasattr(self.reward, "state_dict"):
+            objects["reward"] = self.reward
+        if self.rm_trainer is not None:
+            objects["rm_trainer"] = self.rm_trainer
+            objects["rm_schedule"] = self.rm_trainer.schedule
+        return objects
+
     def state_dict(self) -> dict:
         """Called at each checkpoint: also writes the caption store beside it."""
         state = {"kind": self.kind, "transform": self.transform.state_dict(), "store_path": self.save_store()}
-        if hasattr(self.reward, "state_dict"):
-            state["reward"] = self.reward.state_dict()
-        if self.rm_trainer is not None:
-            state["rm_trainer"] = self.rm_trainer.state_dict()
-        if self.sampler is not None:
-            state["sampler"] = self.sampler.state_dict()
+        for name, obj in self._stateful().items():
+            state[name] = obj.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -342,12 +277,9 @@ class IntrinsicRewardHook:
             log.warning("checkpoint has no %s intrinsic-reward state; starting it fresh", self.kind)
             return
         self.transform.load_state_dict(state["transform"])
-        if "reward" in state and hasattr(self.reward, "load_state_dict"):
-            self.reward.load_state_dict(state["reward"])
-        if "rm_trainer" in state and self.rm_trainer is not None:
-            self.rm_trainer.load_state_dict(state["rm_trainer"])
-        if "sampler" in state and self.sampler is not None:
-            self.sampler.load_state_dict(state["sampler"])
+        for name, obj in self._stateful().items():
+            if name in state:
+                obj.load_state_dict(state[name])
 
     def close(self, save: bool = True) -> None:
         """Stops the annotation worker and the embedded server; saves the store. Idempotent."""
@@ -355,6 +287,8 @@ class IntrinsicRewardHook:
             return
         self._closed = True
         try:
+            if self.parts is not None and self.parts.close is not None:
+                self.parts.close()
             if self.annotation is not None:
                 self.annotation.close()
             if save:
@@ -363,50 +297,6 @@ class IntrinsicRewardHook:
             if self.server is not None:
                 self.server.stop()
                 self.server = None
-
-
-class _StepBudget:
-    """Spreads the reward-model steps the schedule asks for so that training takes at most
-    ``fraction`` of the wall time (0: run every step at once, ONI's behaviour).
-
-    Credit accrues as ``fraction ×`` the wall time between calls (minus the training itself);
-    steps run while the credit covers their measured cost. Owed steps are capped at
-    ``max_owed``: on a slow CPU the schedule's demand can exceed any budget, and old debt is
-    worth less than fresh labels.
-    """
-
-    def __init__(self, fraction: float, max_owed: int):
-        self.fraction = float(fraction)
-        self.max_owed = int(max_owed)
-        self.owed = 0
-        self.credit = 0.0
-        self.step_cost: Optional[float] = None
-        self._last = time.perf_counter()
-        self._spent_since = 0.0
-
-    def steps_now(self, new_steps: int) -> int:
-        now = time.perf_counter()
-        self.owed = min(self.owed + int(new_steps), self.max_owed) if self.fraction > 0 else int(new_steps)
-        if self.fraction <= 0:
-            n, self.owed = self.owed, 0
-            return n
-        self.credit += self.fraction * max(now - self._last - self._spent_since, 0.0)
-        self._last, self._spent_since = now, 0.0
-        if not self.owed:
-            return 0
-        if self.step_cost is None:
-            return 1  # measure one step first
-        n = min(self.owed, int(self.credit // self.step_cost))
-        return n
-
-    def spent(self, steps: int, seconds: float) -> None:
-        self._spent_since += seconds
-        if steps:
-            cost = seconds / steps
-            self.step_cost = cost if self.step_cost is None else 0.8 * self.step_cost + 0.2 * cost
-        if self.fraction > 0:
-            self.owed = max(self.owed - steps, 0)
-            self.credit = max(self.credit - seconds, -10 * (self.step_cost or 0.0))
 
 
 class _RewardWindow:
@@ -485,13 +375,13 @@ class _RewardWindow:
 
 
 def build_intrinsic_hooks(cfg: TrainConfig) -> List:
-    """Hooks for ``cfg.intrinsic_reward``; ``none`` needs none.
+    """Hooks for ``cfg.reward.intrinsic_reward``; ``none`` needs none.
 
     Example:
         >>> from torchrl_oni.train import TrainConfig
         >>> build_intrinsic_hooks(TrainConfig())
         []
     """
-    if cfg.intrinsic_reward == "none":
+    if cfg.reward.intrinsic_reward == "none":
         return []
     return [IntrinsicRewardHook(cfg)]

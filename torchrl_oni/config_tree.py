@@ -1,0 +1,466 @@
+"""Configuration trees: nested dataclasses that are their own documentation, CLI and file format.
+
+A configuration is a tree of dataclasses whose leaves are declared once, with :func:`setting`
+(default, help text, and optionally allowed values, a parser for the command line, legacy flag
+names). Everything else is derived from that declaration:
+
+=========================  ==========================================================================
+derived                    how
+=========================  ==========================================================================
+flat name                  the leaf's field name; a section with a ``PREFIX`` class attribute
+                           prefixes its leaves (``PREFIX = "rm"``: ``lr`` → ``rm_lr``). Flat names
+                           are unique over the tree (checked when the tree is walked).
+command-line flag          ``--`` + flat name with ``-`` for ``_`` (``rm_lr`` → ``--rm-lr``); a bool
+                           gives ``--x`` / ``--no-x``; ``Optional[...]`` accepts ``none``
+flat keyword construction  ``Config(rm_lr=1e-3)`` on a root made with :func:`flat_init`
+file format                :func:`to_dict` / :func:`from_dict` (nested or flat keys), YAML with
+                           :func:`dump_yaml` / :func:`load_yaml`
+=========================  ==========================================================================
+
+The parser this builds uses ``argparse.SUPPRESS`` defaults, so only flags given on the command
+line are applied on top of a base configuration (defaults, a preset or a ``--config`` file).
+
+Example:
+    >>> from dataclasses import dataclass, field
+    >>> @dataclass
+    ... class Optim:
+    ...     PREFIX = "opt"
+    ...     lr: float = setting(3e-4, "learning rate")
+    >>> @flat_init
+    ... @dataclass
+    ... class Run:
+    ...     steps: int = setting(100, "number of steps")
+    ...     optim: Optim = field(default_factory=Optim)
+    >>> [leaf.flat for leaf in leaves(Run)]
+    ['steps', 'opt_lr']
+    >>> Run(opt_lr=0.1).optim.lr
+    0.1
+    >>> parser = argparse.ArgumentParser(prog="demo")
+    >>> add_arguments(parser, Run)
+    >>> args = parser.parse_args(["--opt-lr", "1e-3"])
+    >>> apply_arguments(Run(), args).optim.lr
+    0.001
+    >>> to_dict(Run(steps=5))
+    {'steps': 5, 'optim': {'lr': 0.0003}}
+"""
+import argparse
+import copy
+import dataclasses
+import math
+import typing
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+__all__ = [
+    "setting",
+    "Leaf",
+    "leaves",
+    "flat_init",
+    "add_arguments",
+    "apply_arguments",
+    "to_dict",
+    "from_dict",
+    "dump_yaml",
+    "load_yaml",
+    "replace_flat",
+    "parse_count",
+]
+
+_META = "torchrl_oni.setting"
+
+
+def setting(default: Any = MISSING, help: str = "", *, choices: Union[Sequence, Callable[[], Sequence], None] = None,
+            parse: Optional[Callable[[str], Any]] = None, aliases: Sequence[str] = (), metavar: Optional[str] = None,
+            nargs: Optional[str] = None, const: Any = None, secret: bool = False, default_factory: Any = MISSING):
+    """A configuration leaf: a dataclass field carrying its help text and command-line details.
+
+    Args:
+        default: the default value (or use ``default_factory`` for mutable ones).
+        help: one sentence shown in ``--help`` and checked by the tests to exist.
+        choices: allowed values, or a function returning them (evaluated when the parser is
+            built or the value checked: registries fill themselves lazily).
+        parse: turns the command-line string into the value (default: from the annotation).
+        aliases: further flags accepted for this leaf (kept so old commands still run).
+        metavar: the placeholder shown in ``--help``.
+        nargs, const: as in argparse (``nargs="?"`` with ``const`` gives an optional value).
+        secret: never written to files (:func:`to_dict` leaves it out): API keys.
+    """
+    meta = {_META: dict(help=help, choices=choices, parse=parse, aliases=tuple(aliases), metavar=metavar,
+                        nargs=nargs, const=const, secret=secret)}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One setting of a tree: where it lives (``path``), its flat name, type and declaration."""
+
+    path: Tuple[str, ...]
+    flat: str
+    type: Any
+    default: Any
+    help: str
+    choices: Any
+    parse: Optional[Callable[[str], Any]]
+    aliases: Tuple[str, ...]
+    metavar: Optional[str]
+    nargs: Optional[str]
+    const: Any
+    secret: bool
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.flat.replace("_", "-")
+
+    def allowed(self) -> Optional[Tuple]:
+        """The allowed values (a lazily-filled registry is asked now), or None."""
+        choices = self.choices() if callable(self.choices) else self.choices
+        if choices is None:
+            args = _literal_args(self.type)
+            return tuple(args) if args else None
+        return tuple(choices)
+
+    def get(self, root) -> Any:
+        obj = root
+        for name in self.path:
+            obj = getattr(obj, name)
+        return obj
+
+    def set(self, root, value) -> None:
+        if _sequence_item(_strip_optional(self.type)[0]) is not None:
+            # a lone value or None for a list setting: what a Python caller means is obvious
+            value = () if value is None else (value,) if isinstance(value, str) else tuple(value)
+        obj = root
+        for name in self.path[:-1]:
+            obj = getattr(obj, name)
+        setattr(obj, self.path[-1], value)
+
+
+def _hints(cls) -> Dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_section(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _strip_optional(tp) -> Tuple[Any, bool]:
+    if typing.get_origin(tp) is Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _literal_args(tp):
+    tp, _ = _strip_optional(tp)
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    return None
+
+
+def leaves(cls, _path: Tuple[str, ...] = (), _prefix: str = "") -> List[Leaf]:
+    """Every leaf of a configuration class, depth first, in declaration order.
+
+    Raises:
+        TypeError: a field declared without :func:`setting` (no help text) or two leaves with
+            the same flat name.
+    """
+    out: List[Leaf] = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_section(tp):
+            prefix = getattr(tp, "PREFIX", "")
+            out.extend(leaves(tp, _path + (f.name,), f"{_prefix}{prefix}_" if prefix else _prefix))
+            continue
+        meta = f.metadata.get(_META)
+        if meta is None:
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with setting(): it has no help text")
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        out.append(Leaf(path=_path + (f.name,), flat=_prefix + f.name, type=tp, default=default, **meta))
+    if not _path:
+        seen: Dict[str, Leaf] = {}
+        for leaf in out:
+            if leaf.flat in seen:
+                raise TypeError(f"two settings are both called {leaf.flat!r}: {'.'.join(seen[leaf.flat].path)} "
+                                f"and {'.'.join(leaf.path)}")
+            seen[leaf.flat] = leaf
+    return out
+
+
+def _leaf_table(cls) -> Dict[str, Leaf]:
+    table = {}
+    for leaf in leaves(cls):
+        table[leaf.flat] = leaf
+        for alias in leaf.aliases:
+            table[alias.lstrip("-").replace("-", "_")] = leaf
+    return table
+
+
+def flat_init(cls):
+    """Lets a root configuration dataclass also be built from flat names: ``Config(rm_lr=1e-3)``.
+
+    Section keywords (``Config(optim=Optim(...))``) keep working; flat keywords are applied on
+    top, in the order given.
+    """
+    generated = cls.__init__
+    section_names = {f.name for f in dataclasses.fields(cls)}
+
+    def __init__(self, **kwargs):
+        # a section name given a section; anything else is a flat name (a leaf may share a section's
+        # name through an alias, e.g. --reward-model)
+        sections = {k: v for k, v in kwargs.items() if k in section_names and dataclasses.is_dataclass(v)}
+        generated(self, **sections)
+        flat = {k: v for k, v in kwargs.items() if k not in sections}
+        if flat:
+            replace_flat(self, flat, inplace=True)
+
+    __init__.__doc__ = generated.__doc__
+    cls.__init__ = __init__
+    return cls
+
+
+def replace_flat(root, values: Dict[str, Any], inplace: bool = False):
+    """A copy of ``root`` (or ``root`` itself) with the flat-named settings of ``values`` changed.
+
+    Raises:
+        TypeError: an unknown name (the error lists the closest known ones).
+    """
+    out = root if inplace else copy.deepcopy(root)
+    table = _leaf_table(type(root))
+    for name, value in values.items():
+        leaf = table.get(name)
+        if leaf is None:
+            raise TypeError(f"{type(root).__name__} has no setting {name!r}{_did_you_mean(name, table)}")
+        leaf.set(out, value)
+    return out
+
+
+def _did_you_mean(name: str, table) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(table), n=3)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+# ---------------------------------------------------------------------------------- parsing
+def parse_count(text: str) -> int:
+    """A whole, finite, non-negative number written as ``300000``, ``3e5``, ``300k``, ``2M`` or ``1_000``.
+
+    Example:
+        >>> parse_count("2M"), parse_count("3e5"), parse_count("1_024")
+        (2000000, 300000, 1024)
+        >>> parse_count("inf")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: not a finite number: 'inf'
+    """
+    t = str(text).strip().lower().replace("_", "")
+    mult = 1
+    if t and t[-1] in "kmg":
+        mult = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}[t[-1]]
+        t = t[:-1]
+    try:
+        value = float(t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(value)
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
+def _scalar_parser(tp) -> Callable[[str], Any]:
+    if tp is bool:
+        return _parse_bool
+    if tp is int:
+        return parse_count
+    if tp is float:
+        return _finite_float
+    if typing.get_origin(tp) is typing.Literal:
+        return str
+    return tp if callable(tp) else str
+
+
+def _parse_bool(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse_optional(text: str):
+        if str(text).strip().lower() in ("none", "null", ""):
+            return None
+        return parse(text)
+
+    parse_optional.__name__ = getattr(parse, "__name__", "value")
+    return parse_optional
+
+
+def _sequence_item(tp):
+    origin = typing.get_origin(tp)
+    if origin in (tuple, list):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return args[0] if args else str
+    return None
+
+
+def _show_default(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value)) or "none"
+    return "none" if value is None else str(value)
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, defaults=None) -> None:
+    """Adds one flag per leaf of ``cls`` to ``parser``, grouped by section.
+
+    ``defaults`` (an instance) only changes what ``--help`` shows. Every flag defaults to
+    ``argparse.SUPPRESS``: read the given ones with :func:`apply_arguments`.
+    """
+    groups: Dict[Tuple[str, ...], Any] = {}
+    for leaf in leaves(cls):
+        section = leaf.path[:-1]
+        if section not in groups:
+            groups[section] = parser if not section else parser.add_argument_group(".".join(section))
+        group = groups[section]
+        shown = leaf.get(defaults) if defaults is not None else leaf.default
+        help_text = f"{leaf.help} (default: {_show_default(shown)})"
+        names = [leaf.flag, *leaf.aliases]
+        tp, optional = _strip_optional(leaf.type)
+        if tp is bool and not optional:
+            group.add_argument(*names, dest=leaf.flat, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+            continue
+        item = _sequence_item(tp)
+        kwargs: Dict[str, Any] = dict(dest=leaf.flat, default=argparse.SUPPRESS, help=help_text)
+        parse = leaf.parse or _scalar_parser(item if item is not None else tp)
+        if optional:
+            parse = _optional(parse)
+        kwargs["type"] = parse
+        if item is not None:
+            kwargs["nargs"] = "+"
+        if leaf.nargs is not None:
+            kwargs["nargs"] = leaf.nargs
+            kwargs["const"] = leaf.const
+        allowed = leaf.allowed()
+        if allowed is not None:
+            kwargs["choices"] = list(allowed) + ([None] if optional else [])
+            kwargs["metavar"] = leaf.metavar or "{" + ",".join(map(str, allowed)) + "}"
+        else:
+            kwargs["metavar"] = leaf.metavar or _METAVARS.get(item if item is not None else tp, "TEXT")
+        group.add_argument(*names, **kwargs)
+
+
+def apply_arguments(base, args: argparse.Namespace):
+    """A copy of ``base`` with every flag present in ``args`` applied."""
+    out = copy.deepcopy(base)
+    for leaf in leaves(type(base)):
+        if hasattr(args, leaf.flat):
+            value = getattr(args, leaf.flat)
+            if isinstance(value, list):
+                value = tuple(value)
+            leaf.set(out, value)
+    return out
+
+
+# ---------------------------------------------------------------------------------- files
+def to_dict(root) -> Dict[str, Any]:
+    """Nested plain dict of plain values, secrets left out; the inverse of :func:`from_dict`."""
+
+    def convert(obj):
+        if dataclasses.is_dataclass(obj):
+            return {f.name: convert(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                    if not f.metadata.get(_META, {}).get("secret")}
+        if isinstance(obj, tuple):
+            return list(obj)
+        return obj
+
+    return convert(root)
+
+
+def from_dict(cls, data: Dict[str, Any], strict: bool = True):
+    """An instance of ``cls`` from a nested dict (as :func:`to_dict` writes) or flat names.
+
+    Args:
+        strict: unknown names raise ``TypeError``; ``False`` skips them (old checkpoints).
+    """
+    table = _leaf_table(cls)
+    by_path = {leaf.path: leaf for leaf in leaves(cls)}
+    out = cls()
+
+    def walk(prefix: Tuple[str, ...], d: Dict[str, Any]):
+        for key, value in d.items():
+            path = prefix + (key,)
+            if isinstance(value, dict) and any(p[: len(path)] == path for p in by_path) and path not in by_path:
+                walk(path, value)
+                continue
+            leaf = by_path.get(path) or (table.get(key) if not prefix else None)
+            if leaf is None:
+                if strict:
+                    raise TypeError(f"unknown setting {'.'.join(path)!r}{_did_you_mean(key, table)}")
+                continue
+            if isinstance(value, list):
+                value = tuple(value)
+            leaf.set(out, value)
+
+    walk((), dict(data))
+    return out
+
+
+def dump_yaml(root) -> str:
+    import yaml
+
+    return yaml.safe_dump(to_dict(root), sort_keys=False, default_flow_style=False)
+
+
+def load_yaml(cls, text: str, strict: bool = True):
+    import yaml
+
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise TypeError("a configuration file holds a mapping of settings")
+    return from_dict(cls, data, strict=strict)
+
+
+def check_values(root) -> Iterator[str]:
+    """One message per leaf whose value is not among its allowed values or not of its type."""
+    for leaf in leaves(type(root)):
+        value = leaf.get(root)
+        tp, optional = _strip_optional(leaf.type)
+        if value is None:
+            if not optional:
+                yield f"{leaf.flag} must be set"
+            continue
+        allowed = leaf.allowed()
+        if allowed is not None and value not in allowed:
+            yield f"unknown {leaf.flag} {value!r} ({', '.join(map(str, allowed))})"
+            continue
+        if tp is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            yield f"{leaf.flag} must be a finite number, not {value!r}"
+        elif tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+            if isinstance(value, float) and value.is_integer():
+                leaf.set(root, int(value))
+            else:
+                yield f"{leaf.flag} must be a whole number, not {value!r}"
+        elif tp is bool and not isinstance(value, bool):
+            yield f"{leaf.flag} must be true or false, not {value!r}"
