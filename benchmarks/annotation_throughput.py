@@ -13,6 +13,11 @@ The second part, :func:`collector_overhead`, measures the collector's frames/s w
 Usage::
 
     python benchmarks/annotation_throughput.py --seconds 60 --model smollm2 --threads 2
+    python benchmarks/annotation_throughput.py --llm-url http://gpu-node:8000/v1   # any server (vLLM)
+
+With ``--llm-url`` the model rows measure that server (``--llm-model``: default the only model it
+lists; ``--llm-api-key``: default ``OPENAI_API_KEY``) instead of starting the embedded one, and
+``--laptop`` measures the collector with that server.
 
 The last line of stdout is one JSON object.
 """
@@ -96,6 +101,13 @@ def p_yes(top: Dict[str, float]) -> Optional[float]:
     return yes / (yes + no) if yes + no > 0 else None
 
 
+_HEADERS: Dict[str, str] = {}  # the API key's header, when there is one (set by main)
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), headers=_HEADERS)
+
+
 async def _score(session, url: str, model: str, messages: Sequence[str]) -> List[Optional[float]]:
     body = {"model": model, "prompt": [short_prompt(m) for m in messages], "max_tokens": 1,
             "logprobs": 5, "temperature": 0}
@@ -111,7 +123,7 @@ async def _throughput(url: str, model: str, batch: int, seconds: float) -> Tuple
     """Captions/s with one request of ``batch`` prompts in flight at a time."""
     messages = [m for m, _ in LABELLED]
     done, i = 0, 0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with _session() as session:
         await _score(session, url, model, messages[:1])  # warm-up (prefix cache, threads)
         start = time.perf_counter()
         while True:
@@ -125,7 +137,7 @@ async def _throughput(url: str, model: str, batch: int, seconds: float) -> Tuple
 
 
 async def _accuracy(url: str, model: str) -> Dict[str, float]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with _session() as session:
         scores = await _score(session, url, model, [m for m, _ in LABELLED])
     labels = [y for _, y in LABELLED]
     filled = [0.5 if s is None else s for s in scores]
@@ -152,7 +164,8 @@ def _collector_phases(url: str, model: str, seconds: float, rounds: int = 6) -> 
                                     frames_per_batch=cfg.frames_per_batch, total_frames=-1,
                                     device="cpu", storing_device="cpu", num_sub_threads=1)
     store = CaptionStore(capacity=65536)
-    annotator = OpenAIAnnotator(url, model, batch_size=100, prompt="short", use_logprobs=True)
+    annotator = OpenAIAnnotator(url, model, batch_size=100, prompt="short", use_logprobs=True,
+                                api_key=_HEADERS.get("Authorization", "")[len("Bearer "):] or None)
     annotate = LLMAnnotationTransform(store, annotator, close_annotator=True)
     fps = {"off": [], "on": []}
     phase = seconds / (2 * rounds)
@@ -199,7 +212,11 @@ def collector_overhead(args) -> Optional[dict]:
         off, on, m = _collector_phases(srv.url, srv.model, args.collector_seconds)
     out.update({"collector_fps_off": round(off), "collector_fps_on": round(on), "ratio": round(m["ratio_median"], 3),
                 "collector_labels": int(m.get("labels_total", 0)), "collector_coverage": round(m.get("coverage", 0.0), 3)})
-    if args.laptop:
+    if args.laptop and args.llm_url:
+        off, on, m = _collector_phases(args.llm_url, args.llm_model, args.collector_seconds)
+        out.update({"laptop_fps_off": round(off), "laptop_fps_on": round(on), "laptop_ratio": round(m["ratio_median"], 3),
+                    "laptop_coverage": round(m.get("coverage", 0.0), 3)})
+    elif args.laptop:
         with start_embedded_server(args.model, port=0, threads=1, dtype=args.dtype) as srv:
             off, on, m = _collector_phases(srv.url, srv.model, args.collector_seconds)
         out.update({"laptop_fps_off": round(off), "laptop_fps_on": round(on), "laptop_ratio": round(m["ratio_median"], 3),
@@ -219,8 +236,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--collector-seconds", type=float, default=None,
                         help="time for the collector on/off part (default: a third of --seconds; 0 skips)")
     parser.add_argument("--laptop", action="store_true",
-                        help="also measure the collector with the embedded model on the same cores")
+                        help="also measure the collector with the embedded model on the same cores "
+                             "(with --llm-url: with that server)")
+    parser.add_argument("--llm-url", default=None,
+                        help="measure this OpenAI-compatible server (e.g. vLLM) instead of the embedded model")
+    parser.add_argument("--llm-model", default=None,
+                        help="served model name with --llm-url (default: the only one it lists)")
+    parser.add_argument("--llm-api-key", default=None,
+                        help="API key for --llm-url (default: the OPENAI_API_KEY environment variable)")
     args = parser.parse_args(argv)
+    if args.llm_url:
+        from torchrl_oni.annotators.openai import AnnotatorUnavailable, _auth_headers, normalize_base_url, resolve_model
+
+        try:
+            args.llm_url = normalize_base_url(args.llm_url)
+            args.llm_model = resolve_model(args.llm_url, args.llm_model, api_key=args.llm_api_key)
+        except (AnnotatorUnavailable, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        _HEADERS.update(_auth_headers(args.llm_api_key))
 
     from torchrl_oni.serve.embedded import start_embedded_server
     from torchrl_oni.serve.models import ModelNotInstalledError
@@ -238,25 +272,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for b in batches:
             baseline[b], _ = asyncio.run(_throughput(srv.url, srv.model, b, base_share))
 
-    t0 = time.perf_counter()
-    try:
-        srv = start_embedded_server(args.model, port=0, threads=args.threads, dtype=args.dtype)
-    except (ValueError, ModelNotInstalledError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    startup_s = time.perf_counter() - t0
-    loaded = srv.server.engine.loaded
-    result = {"model": loaded.spec.name, "dtype": loaded.dtype, "threads": args.threads,
-              "load_s": round(loaded.load_seconds, 2), "startup_s": round(startup_s, 2),
-              "from_cache": loaded.from_cache}
     rates = {}
-    with srv:
+    if args.llm_url:
+        result = {"model": args.llm_model, "server": args.llm_url}
         if not args.no_accuracy:
-            result.update({k: round(v, 3) for k, v in asyncio.run(_accuracy(srv.url, srv.model)).items()})
+            result.update({k: round(v, 3) for k, v in asyncio.run(_accuracy(args.llm_url, args.llm_model)).items()})
         for b in batches:
-            rates[b], _ = asyncio.run(_throughput(srv.url, srv.model, b, model_share))
-        cache = srv.server.engine.prefix_cache
-        result["prefix_cache_hits"] = cache.hits
+            rates[b], _ = asyncio.run(_throughput(args.llm_url, args.llm_model, b, model_share))
+    else:
+        t0 = time.perf_counter()
+        try:
+            srv = start_embedded_server(args.model, port=0, threads=args.threads, dtype=args.dtype)
+        except (ValueError, ModelNotInstalledError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        startup_s = time.perf_counter() - t0
+        loaded = srv.server.engine.loaded
+        result = {"model": loaded.spec.name, "dtype": loaded.dtype, "threads": args.threads,
+                  "load_s": round(loaded.load_seconds, 2), "startup_s": round(startup_s, 2),
+                  "from_cache": loaded.from_cache}
+        with srv:
+            if not args.no_accuracy:
+                result.update({k: round(v, 3) for k, v in asyncio.run(_accuracy(srv.url, srv.model)).items()})
+            for b in batches:
+                rates[b], _ = asyncio.run(_throughput(srv.url, srv.model, b, model_share))
+            cache = srv.server.engine.prefix_cache
+            result["prefix_cache_hits"] = cache.hits
     result["rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     result["captions_per_s"] = {str(b): round(r, 2) for b, r in rates.items()}
     result["scripted_captions_per_s"] = {str(b): round(r, 1) for b, r in baseline.items()}
@@ -265,8 +306,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra:
         result.update(extra)
 
-    print(f"model {result['model']} ({result['dtype']}, {args.threads} threads): load "
-          f"{result['load_s']} s (from cache: {result['from_cache']}), peak RSS {result['rss_mb']} MB")
+    if args.llm_url:
+        print(f"model {result['model']} served at {args.llm_url}; peak RSS of this client {result['rss_mb']} MB")
+    else:
+        print(f"model {result['model']} ({result['dtype']}, {args.threads} threads): load "
+              f"{result['load_s']} s (from cache: {result['from_cache']}), peak RSS {result['rss_mb']} MB")
     if "accuracy" in result:
         print(f"accuracy {result['accuracy']:.3f}  AUC {result['auc']:.3f}  on {len(LABELLED)} "
               f"labelled messages (predicted positive {result['predicted_positive_rate']:.2f})")

@@ -19,9 +19,16 @@ Modes (set ``server.mode``, or ``server.fail_next(n, mode)`` for the next ``n`` 
 ``bad_index``      the right number of choices, all with ``index`` 0
 =================  =============================================================
 
-``stop()`` then ``start()`` simulates a server that dies mid-run and comes back on the same port.
-The server runs in a background thread with its own event loop, so a client under test can
-use ``asyncio.run`` in the main thread.
+``stop()`` then ``start()`` simulates a server that dies mid-run (connections are refused, and
+requests in flight are cut) and comes back on the same port. The server runs in a background
+thread with its own event loop, so a client under test can use ``asyncio.run`` in the main
+thread.
+
+A slow server: ``latency_s`` (per request) + ``per_prompt_s`` (per prompt) of work before each
+completion answer, one request at a time when ``serial`` (like a one-thread CPU server, where
+requests queue). Like our embedded server, it stops working on a request whose client went
+away (``disconnects`` counts them). ``api_key``: requests without ``Authorization: Bearer
+<api_key>`` get HTTP 401.
 
 Example:
     >>> import json, urllib.request
@@ -32,7 +39,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import threading
 import time
@@ -64,6 +70,10 @@ class FakeLLMServer:
         ranking_bias: ``None`` or ``"1"``: always answer that position in ranking prompts (a
             position-biased model).
         goal: the goal of the scripted rules that decide the answers.
+        latency_s: seconds of work per completion request (any mode).
+        per_prompt_s: extra seconds of work per prompt of a request.
+        serial: work on one request at a time (the others wait their turn).
+        api_key: the bearer token requests must carry (``None``: no check).
     """
 
     def __init__(
@@ -75,6 +85,10 @@ class FakeLLMServer:
         shuffle_choices: bool = False,
         ranking_bias: Optional[str] = None,
         goal: str = "default",
+        latency_s: float = 0.0,
+        per_prompt_s: float = 0.0,
+        serial: bool = False,
+        api_key: Optional[str] = None,
     ) -> None:
         self.mode = mode
         self.models = tuple(models)
@@ -86,8 +100,18 @@ class FakeLLMServer:
         self.requests = 0  # completion requests received (any mode)
         self.received: List[str] = []  # captions read out of prompts answered in "ok" mode
         self.last_payload: Optional[dict] = None
+        self.latency_s = latency_s
+        self.per_prompt_s = per_prompt_s
+        self.serial = serial
+        self.api_key = api_key
+        self.completed = 0  # completion requests answered (the client may have gone meanwhile)
+        self.prompts_answered = 0
+        self.batch_sizes: List[int] = []  # prompts of each completion request answered
+        self.disconnects = 0  # requests whose client went away before the answer
+        self.unauthorized = 0
         self.in_flight = 0
         self.max_in_flight = 0  # most completion requests handled at once
+        self._serial_lock: Optional[asyncio.Lock] = None
         self._fail_queue: List[str] = []
         self._lock = threading.Lock()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -155,6 +179,7 @@ class FakeLLMServer:
         self.stop()
 
     async def _start_site(self) -> None:
+        self._serial_lock = asyncio.Lock()
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
@@ -166,9 +191,48 @@ class FakeLLMServer:
         self.port = self._runner.addresses[0][1]
 
     # ------------------------------------------------------------------ handlers
+    def _unauthorized(self, request: web.Request) -> Optional[web.Response]:
+        if self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}":
+            return None
+        with self._lock:
+            self.unauthorized += 1
+        return web.json_response({"error": {"message": "invalid API key", "code": 401}}, status=401)
+
     async def _models(self, request: web.Request) -> web.Response:
+        refused = self._unauthorized(request)
+        if refused is not None:
+            return refused
         data = [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]
         return web.json_response({"object": "list", "data": data})
+
+    @staticmethod
+    def _gone(request: web.Request) -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
+    async def _work(self, request: web.Request, seconds: float) -> bool:
+        """Waits ``seconds`` unless the client goes away first; returns whether it stayed."""
+        end = time.monotonic() + seconds
+        while True:
+            if self._gone(request):
+                with self._lock:
+                    self.disconnects += 1
+                return False
+            left = end - time.monotonic()
+            if left <= 0:
+                return True
+            await asyncio.sleep(min(left, 0.005))
+
+    async def _serve_time(self, request: web.Request, mode: str, n_prompts: int) -> bool:
+        work = self.latency_s + self.per_prompt_s * n_prompts
+        if mode == "hang":
+            work += self.hang_s
+        if work <= 0:
+            return True
+        if self.serial:
+            async with self._serial_lock:
+                return await self._work(request, work)
+        return await self._work(request, work)
 
     def _next_mode(self) -> str:
         with self._lock:
@@ -177,14 +241,24 @@ class FakeLLMServer:
 
     async def _read(self, request: web.Request):
         mode = self._next_mode()
+        refused = self._unauthorized(request)
+        if refused is not None:
+            return mode, None, refused
         payload = await request.json()
-        if mode == "hang":
-            self.in_flight += 1  # only touched on the server's loop: no lock needed
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            try:
-                await asyncio.sleep(self.hang_s)
-            finally:
-                self.in_flight -= 1
+        prompts = payload.get("prompt", [None])
+        n_prompts = 1 if isinstance(prompts, str) or "messages" in payload else len(prompts)
+        self.in_flight += 1  # only touched on the server's loop: no lock needed
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            stayed = await self._serve_time(request, mode, n_prompts)
+        finally:
+            self.in_flight -= 1
+        if not stayed:  # nobody will read the answer
+            return mode, payload, web.Response(status=499, text="client closed the request")
+        with self._lock:
+            self.completed += 1
+            self.prompts_answered += n_prompts
+            self.batch_sizes.append(n_prompts)
         self.last_payload = payload
         if payload.get("model") not in self.models:
             return mode, payload, web.json_response(

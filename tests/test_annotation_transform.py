@@ -186,7 +186,7 @@ def test_batches_and_concurrency_are_bounded():
 
 def test_failures_are_retried_and_counted(caplog):
     annotator = KillAnnotator(fail_calls=2, error="http 500", raise_calls=1)
-    store = CaptionStore(capacity=16, retry_backoff_s=0.0, max_attempts=5)
+    store = CaptionStore(capacity=16, server_retry_s=0.0, max_attempts=2)  # faults never give up
     msgs, hashes = _batch(TEXTS, (len(TEXTS),))
     batch = TensorDict(message=msgs, caption_hash=hashes, batch_size=[len(TEXTS)])
     with caplog.at_level(logging.WARNING, logger="torchrl_oni.annotation"):
@@ -198,7 +198,7 @@ def test_failures_are_retried_and_counted(caplog):
             metrics = transform.metrics()
     assert store.lookup(hashes)[1].all()
     assert annotator.calls == 4  # raised once, failed twice, then labelled
-    assert metrics["server_errors"] == 3 * len(TEXTS)
+    assert metrics["caption_server_failures"] == 3 * len(TEXTS)
     assert metrics["parse_failures"] == 0
     assert store.stats()["errors/ConnectionError"] == len(TEXTS)
     assert store.stats()["errors/http 500"] == 2 * len(TEXTS)
@@ -218,7 +218,8 @@ def test_parse_failures_give_up_after_max_attempts():
         assert transform.wait_idle(TIMEOUT)
         metrics = transform.metrics()
     assert store.stats()["failed"] == 2 and metrics["failed"] == 2
-    assert metrics["parse_failures"] == 4 and metrics["server_errors"] == 0
+    assert metrics["parse_failures"] == 4 and metrics["caption_server_failures"] == 0
+    assert metrics["given_up"] == 2 and sorted(store.given_up()) == sorted(TEXTS[:2])
     assert annotator.calls == 2
 
 

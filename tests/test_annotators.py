@@ -6,6 +6,7 @@ import socket
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from torchrl_oni.annotators import (
@@ -19,6 +20,7 @@ from torchrl_oni.annotators import (
     ScriptedAnnotator,
 )
 from torchrl_oni.annotators import prompts as P
+from torchrl_oni.annotators.openai import RequestSizer, resolve_model
 from torchrl_oni.annotators.parsing import (
     parse_label,
     parse_preference,
@@ -55,10 +57,12 @@ def run(coro):
 
 
 def make_client(server, **kwargs):
+    # Fixed sizes and time limit: these tests count requests (adaptive sizing is tested apart).
     opts = dict(backoff_s=0.001, max_backoff_s=0.01, max_retries=1, timeout_s=2.0,
-                circuit_failures=1000)
+                circuit_failures=1000, adaptive=False)
     opts.update(kwargs)
-    return OpenAIAnnotator(server.url, "fake-model", **opts)
+    url = opts.pop("base_url", None) or server.url
+    return OpenAIAnnotator(url, "fake-model", **opts)
 
 
 async def annotate_once(client, captions):
@@ -598,3 +602,143 @@ def test_invalid_options():
 
 def test_client_is_an_annotator():
     assert isinstance(OpenAIAnnotator("localhost:1", "m"), Annotator)
+
+
+# ---------------------------------------------------------------------------------- adaptive sizing
+def test_request_sizer_grows_shrinks_and_times_out_from_observed_latency():
+    sizer = RequestSizer(max_batch=64, max_concurrency=4, initial_batch=4, target_latency_s=10.0,
+                         min_timeout_s=30.0, max_timeout_s=600.0, first_timeout_s=120.0)
+    assert (sizer.batch, sizer.concurrency, sizer.timeout(4)) == (4, 4, 120.0)
+    for expected in (8, 16, 32, 64, 64):  # fast full requests double the batch up to the max
+        sizer.record_answer(sizer.batch, latency_s=1.0)
+        assert sizer.batch == expected
+    sizer.record_answer(3, latency_s=0.1)  # a partial request says nothing about growth
+    assert sizer.batch == 64
+    # the limit is 4 x p90(seconds per prompt) x n, within [30, 600]
+    per_prompt = sorted([1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 64, 0.1 / 3])
+    p90 = per_prompt[int(np.ceil(0.9 * len(per_prompt))) - 1]
+    assert sizer.timeout(64) == max(30.0, 4 * p90 * 64)
+    assert sizer.timeout(10_000) == 600.0
+    sizer.record_answer(64, latency_s=25.0)  # slower than 2 x target: halve
+    assert sizer.batch == 32
+    assert sizer.timeout(32) == pytest.approx(4 * 25.0 / 64 * 32)  # the latest sample counts at once
+    sizer.record_timeout(32, limit_s=200.0)  # no answer in 200 s: >= 6.25 s per prompt
+    assert (sizer.batch, sizer.concurrency) == (16, 2)
+    assert sizer.timeout(16) == 4 * 200.0 / 32 * 16  # twice the last limit per prompt
+    sizer.record_answer(16, latency_s=5.0)  # within target: one more request in flight
+    assert sizer.concurrency == 3
+
+
+def test_request_sizer_fixed_settings():
+    fixed = RequestSizer(max_batch=100, max_concurrency=4, adaptive=False, timeout_s=60.0)
+    assert (fixed.batch, fixed.timeout(100)) == (100, 60.0)
+    fixed.record_timeout(100, 60.0)
+    fixed.record_answer(100, 500.0)
+    assert (fixed.batch, fixed.concurrency, fixed.timeout(1)) == (100, 4, 60.0)
+    with pytest.raises(ValueError):
+        RequestSizer(timeout_s=0)
+    with pytest.raises(ValueError):
+        RequestSizer(min_timeout_s=10.0, max_timeout_s=5.0)
+
+
+def test_adaptive_client_grows_requests_on_a_fast_server(server):
+    client = OpenAIAnnotator(server.url, "fake-model", batch_size=32, initial_batch_size=2,
+                             max_concurrency=1)
+
+    async def scenario():
+        try:
+            for _ in range(3):
+                await client.annotate(CAPTIONS * 10)
+        finally:
+            await client.aclose()
+
+    run(scenario())
+    assert client.metrics()["request_batch"] == 32
+    assert server.batch_sizes[:5] == [2, 4, 8, 16, 32] and max(server.batch_sizes) == 32
+    assert client.stats.labelled == 3 * 70
+
+
+def test_slow_answers_stretch_the_time_limit_instead_of_failing(server):
+    """The first limit is far too short for this server: the requests that time out teach the
+    client a longer limit and smaller requests, and the labels come in within one call."""
+    server.mode, server.hang_s = "hang", 0.3
+    client = OpenAIAnnotator(server.url, "fake-model", batch_size=8, initial_batch_size=4,
+                             first_timeout_s=0.1, min_timeout_s=0.05, max_timeout_s=5.0,
+                             max_retries=4, backoff_s=0.001, max_backoff_s=0.01)
+    labels = run(annotate_once(client, CAPTIONS))
+    assert [l.value for l in labels] == EXPECTED
+    metrics = client.metrics()
+    assert metrics["timeouts"] >= 1 and metrics["timeout_s"] > 0.3
+
+
+# ---------------------------------------------------------------------------------- model, key
+def test_resolve_model():
+    with FakeLLMServer(models=("only-one",)) as one, FakeLLMServer(models=("a", "b")) as two:
+        assert resolve_model(one.url) == "only-one"
+        assert resolve_model(two.url, "b") == "b"
+        with pytest.raises(AnnotatorUnavailable, match="several models \\(a, b\\)") as err:
+            resolve_model(two.url)
+        assert "--llm-model" in str(err.value) and "\n" not in str(err.value)
+        with pytest.raises(AnnotatorUnavailable, match="not served .* served: a, b"):
+            resolve_model(two.url, "c")
+        dead = one.url
+    with pytest.raises(AnnotatorUnavailable, match="cannot reach"):
+        resolve_model(dead, timeout_s=2.0)
+
+
+def test_api_key_header(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert OpenAIAnnotator("localhost:1", "m")._headers == {}
+    assert OpenAIAnnotator("localhost:1", "m", api_key="k")._headers == {"Authorization": "Bearer k"}
+    monkeypatch.setenv("OPENAI_API_KEY", "from-env")
+    assert OpenAIAnnotator("localhost:1", "m")._headers == {"Authorization": "Bearer from-env"}
+    assert OpenAIAnnotator("localhost:1", "m", api_key="")._headers == {}  # explicitly none
+
+
+# ---------------------------------------------------------------------------------- pool
+def test_pool_spreads_requests_by_least_outstanding():
+    with FakeLLMServer(latency_s=0.05) as a, FakeLLMServer(latency_s=0.05) as b:
+        client = make_client(None, base_url=[a.url, b.url], batch_size=2, max_concurrency=2)
+        labels = run(annotate_once(client, CAPTIONS * 4))
+        assert [l.value for l in labels] == EXPECTED * 4
+        assert a.completed + b.completed == 14  # 28 prompts, 2 per request
+        assert min(a.completed, b.completed) >= 5  # equally fast servers share the work
+        assert a.max_in_flight == b.max_in_flight == 2  # both kept full
+        metrics = client.metrics()
+        assert (metrics["server/0/requests"], metrics["server/1/requests"]) == (a.completed, b.completed)
+        assert metrics["servers_up"] == 2
+
+
+def test_pool_takes_a_dead_server_out_and_probes_it_back():
+    with FakeLLMServer() as a, FakeLLMServer() as b:
+        client = make_client(None, base_url=[a.url, b.url], batch_size=1, max_concurrency=1,
+                             circuit_failures=2, circuit_cooldown_s=60.0, probe_interval_s=0.05)
+        b.stop()
+
+        async def scenario():
+            try:
+                first = await client.annotate(CAPTIONS)  # b fails twice, its prompts go to a
+                out = client.metrics()["server/1/up"]
+                b.start()
+                for _ in range(100):  # the health check brings b back (long before 60 s)
+                    if client.available() and client.breaker.state == "closed" and \
+                            client._endpoints[1].breaker.state != "open":
+                        break
+                    await asyncio.sleep(0.02)
+                second = await client.annotate(CAPTIONS)
+                return first, out, second
+            finally:
+                await client.aclose()
+
+        first, out, second = run(scenario())
+        assert [l.value for l in first] == EXPECTED and out == 0.0
+        assert [l.value for l in second] == EXPECTED
+        assert b.completed > 0 and client.metrics()["servers_up"] == 2
+        assert client.recoveries == 1
+
+
+def test_pool_urls_are_checked():
+    with pytest.raises(ValueError, match="given twice"):
+        OpenAIAnnotator(["localhost:1", "http://localhost:1/v1"], "m")
+    with pytest.raises(ValueError, match="no LLM server"):
+        OpenAIAnnotator([], "m")

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -137,30 +138,114 @@ def test_claim_order_and_pending():
         CaptionStore(claim_order="random")
 
 
-def test_failures_backoff_retry_and_give_up():
+def test_unparsable_answers_give_up_after_max_attempts():
     store = CaptionStore(capacity=8, max_attempts=3, retry_backoff_s=0.0)
-    msgs, hashes = _batch(["flaky"])
+    msgs, hashes = _batch(["flaky", "fine"])
     store.add(msgs, hashes)
     for attempt in range(1, 3):
-        got, _ = store.claim(1)
-        assert got.tolist() == hashes.tolist()
-        assert not store.mark_failed(got, "http 500").any()
+        got, texts = store.claim(1)
+        assert texts == ["flaky"]
+        assert not store.mark_failed(got, "unparsable").any()
         assert store.stats()["retrying"] == 1
     got, _ = store.claim(1)
-    assert store.mark_failed(got, "http 500").all()  # third failure: given up
+    assert store.mark_failed(got, "unparsable").all()  # third unparsable answer: given up
     stats = store.stats()
-    assert stats["failed"] == 1 and stats["errors/http 500"] == 3
-    assert store.claim(1)[1] == []
+    assert stats["given_up"] == stats["failed"] == 1 and stats["errors/unparsable"] == 3
+    assert store.given_up() == ["flaky"]
+    assert store.claim(5)[1] == ["fine"]
+    assert store.requeue_server_failures() == 0  # an unparsable caption is not a server fault
+    assert store.claim(5)[1] == []
     assert store.retry_failed() == 1
-    assert store.claim(1)[1] == ["flaky"]
+    assert store.claim(1)[1] == ["flaky"] and store.given_up() == []
 
     slow = CaptionStore(capacity=8, retry_backoff_s=3600.0)
     slow.add(msgs, hashes)
-    slow.mark_failed(slow.claim(1)[0], "timeout")
-    assert slow.claim(1)[1] == []  # still in its backoff
+    slow.mark_failed(slow.claim(1)[0], "unparsable")
+    assert slow.claim(1)[1] == ["fine"]  # "flaky" is still in its backoff
     slow.set_labels(hashes, 1.0, PROV)
     slow.mark_failed(hashes, "late")  # a late failure does not erase a label
     assert slow.lookup(hashes)[1].all()
+
+
+@pytest.mark.parametrize("kind", ["http 500", "timeout", "connection error", "circuit open",
+                                  "ConnectionError", "wrong count"])
+def test_server_faults_never_give_up(kind):
+    store = CaptionStore(capacity=8, max_attempts=2, server_retry_s=0.0, retry_backoff_s=0.0)
+    msgs, hashes = _batch(["a", "b"])
+    store.add(msgs, hashes)
+    for _ in range(10):
+        got, texts = store.claim(5)
+        assert sorted(texts) == ["a", "b"]
+        assert not store.mark_failed(got, kind).any()
+    stats = store.stats()
+    assert stats["failed"] == stats["given_up"] == 0 and stats["unseen"] == 2
+    assert stats["retrying"] == 2 and stats[f"errors/{kind}"] == 20
+    assert store.claim(5)[0].numel() == 2
+    # the caller may still say a fault is the model's
+    store.mark_failed(hashes, kind, parse_failure=True)
+    assert store.claim(5)[0].numel() == 2 and store.mark_failed(hashes, kind, parse_failure=True).all()
+
+
+def test_server_fault_backoff_and_requeue():
+    store = CaptionStore(capacity=8, server_retry_s=3600.0)
+    msgs, hashes = _batch(["a", "b", "c"])
+    store.add(msgs, hashes)
+    store.mark_failed(store.claim(2)[0], "timeout")
+    assert store.claim(5)[1] == ["c"] and store.claimable() == 0
+    store.release(hashes)
+    assert store.claimable() == 1  # "c"; "a" and "b" wait for their backoff
+    assert store.requeue_server_failures() == 2
+    assert store.claimable() == 3
+    assert store.claim(5)[1] == ["a", "b", "c"]
+    # the backoff doubles with each server fault in a row
+    quick = CaptionStore(capacity=8, server_retry_s=0.05)
+    quick.add(msgs[:1], hashes[:1])
+    quick.mark_failed(quick.claim(1)[0], "http 503")
+    quick.mark_failed(hashes[:1], "http 503")  # second fault in a row: 0.1 s
+    time.sleep(0.06)
+    assert quick.claimable() == 0
+    time.sleep(0.06)
+    assert quick.claimable() == 1
+
+
+def test_legacy_failed_captions_are_requeued(tmp_path):
+    """A store written before server faults were told apart had captions given up for server
+    errors (status 3): requeue_server_failures puts them back with a fresh attempt count."""
+    store = CaptionStore(capacity=8)
+    msgs, hashes = _batch(["a", "b", "c"])
+    store.add(msgs, hashes)
+    slots = store.slots(hashes).numpy()
+    store._captions.cols["status"][slots[:2]] = store_module.FAILED  # as the old code left them
+    store._captions.cols["attempts"][slots[:2]] = 3
+    store.set_labels(hashes[2:], 1.0, PROV)
+    loaded = CaptionStore.load(store.save(tmp_path / "old.pt"))
+    assert loaded.stats()["failed"] == 2 and loaded.claim(5)[1] == []
+    assert loaded.requeue_server_failures() == 2
+    stats = loaded.stats()
+    assert stats["failed"] == 0 and stats["unseen"] == 2 and stats["labelled"] == 1
+    got, texts = loaded.claim(5)
+    assert texts == ["a", "b"]
+    loaded.mark_failed(got, "unparsable")  # a fresh attempt count: not given up at once
+    assert loaded.stats()["given_up"] == 0
+
+
+def test_claim_most_seen_matches_a_full_sort():
+    rng = np.random.default_rng(5)
+    msgs, hashes = _random_captions(300, seed=5)
+    store = CaptionStore(capacity=512)
+    store.add(msgs, hashes)
+    extra = rng.integers(0, 300, 2000)  # many ties at small counts
+    store.add(msgs[extra], hashes[extra])
+    seen = {int(h): 1 for h in hashes}
+    for i in extra.tolist():
+        seen[int(hashes[i])] += 1
+    order = sorted(range(300), key=lambda i: (-seen[int(hashes[i])], i))  # slots follow i
+    taken = []
+    for k in (1, 7, 50, 0, 300):
+        got, _ = store.claim(k)
+        assert len(got) == min(k, 300 - len(taken))
+        taken += got.tolist()
+    assert taken == [int(hashes[i]) for i in order]
 
 
 def test_set_labels_scores_provenance_and_validation():

@@ -8,6 +8,16 @@ a thread running its own asyncio loop: it claims captions from the store in batc
 The caller never waits for the LLM: a transform call costs one vectorised ``add`` and one
 ``lookup`` on the store.
 
+A slow or dead server loses nothing: captions whose request failed for a server reason
+(timeout, HTTP 5xx, connection error, circuit breaker open) go back in the queue and are never
+given up; while no server can take a request the worker claims nothing, and when a server
+answers again the captions that failed meanwhile are queued at once
+(:meth:`~torchrl_oni.store.CaptionStore.requeue_server_failures`). Only captions whose answers
+repeatedly cannot be parsed are given up (``CaptionStore.given_up()`` lists them).
+:meth:`LLMAnnotationTransform.metrics` separates the causes (``requests_unsent``,
+``server_errors``, ``timeouts``, ``connection_errors``, ``parse_failures``...) and
+:meth:`LLMAnnotationTransform.health` sums up in one line why no labels arrive.
+
 Where to put the transform: :class:`~torchrl.collectors.MultiAsyncCollector` deep-copies its
 ``postproc`` into its workers, where a background thread and a shared store make no sense.
 Apply the transform in the trainer to each collected batch (``batch = annotate(batch)``), or
@@ -57,7 +67,7 @@ from torchrl.envs.transforms import Transform
 
 from torchrl_oni.annotators.base import Annotator
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, hash_messages
-from torchrl_oni.store import CaptionStore
+from torchrl_oni.store import CaptionStore, is_parse_failure
 
 __all__ = ["AnnotationWorker", "LLMAnnotationTransform"]
 
@@ -70,25 +80,50 @@ _COPY_ERROR = (
 )
 
 
-def _is_parse_failure(kind: str) -> bool:
-    return "pars" in kind.lower()
+# Request-level counters of the annotator (OpenAIAnnotator.metrics); 0 for annotators that
+# keep none, so the metric keys do not depend on the annotator.
+_ANNOTATOR_COUNTERS = ("requests_sent", "requests_unsent", "server_errors", "timeouts",
+                       "connection_errors", "bad_answers", "auth_errors", "rejected")
+
+
+def _one_line(value, limit: int = 160) -> str:
+    return " ".join(str(value).split())[:limit]
 
 
 class AnnotationWorker:
     """A thread with its own asyncio loop that labels the store's unseen captions.
 
-    Each round it claims up to ``batch_size`` captions (and, when ``pairs`` is True, pairs),
-    keeps at most ``max_concurrency`` ``annotate``/``compare`` calls in flight, and writes the
-    results back: ``set_labels`` for good labels, ``mark_failed(kind)`` for failures (the store
-    retries them after a backoff). It sleeps until :meth:`wake` or ``poll_interval_s``.
+    Each round it claims captions (most frequently seen first; and, when ``pairs`` is True,
+    pairs), keeps ``annotate``/``compare`` calls in flight, and writes the results back:
+    ``set_labels`` for good labels, ``mark_failed(kind)`` for failures. The store puts server
+    faults back in the queue (never given up) and gives a caption up only after repeated
+    unparsable answers. It sleeps until :meth:`wake` or ``poll_interval_s``.
+
+    The annotator may steer the worker (``OpenAIAnnotator`` does; all optional):
+
+    * ``available()``: False while no request could be sent (every server's circuit breaker
+      open). The worker then claims nothing, so no caption is held or refused;
+    * ``recoveries`` (an int attribute): bumped when a server that was out answers again. The
+      worker then calls ``store.requeue_server_failures()``, so the captions that failed
+      meanwhile go back in the queue at once (without the attribute: when ``available()``
+      turns True again). It also calls it when it starts (a resumed or reused store);
+    * ``batch_hint()``: captions per call (at most ``batch_size``): one request's worth, so a
+      claim happens just before its request and the most frequent captions go first;
+    * ``concurrency_hint()``: calls in flight (instead of ``max_concurrency``);
+    * ``metrics()``, ``recent(window_s)``, ``describe()``: request-level counters merged into
+      :meth:`metrics` and used by :meth:`health`.
 
     Args:
         store (CaptionStore): where captions come from and labels go.
         annotator (Annotator): see :mod:`torchrl_oni.annotators.base`.
-        batch_size (int): captions per ``annotate`` call. Default 100 (ONI's).
-        max_concurrency (int): calls in flight at once. Default 4.
-        poll_interval_s (float): longest sleep between rounds (retries become due). Default 1.
+        batch_size (int): most captions per ``annotate`` call. Default 100 (ONI's).
+        max_concurrency (int): calls in flight at once when the annotator gives no
+            ``concurrency_hint``. Default 4.
+        poll_interval_s (float): longest sleep between rounds (retries become due, a server
+            that was out is checked). Default 1.
         pairs (bool): also answer the store's ranking pairs with ``annotator.compare``.
+        captions (bool): label the store's single captions (False: pairs only, ONI-Ranking,
+            which would otherwise pay for a label of every caption first).
         close_annotator (bool): await ``annotator.aclose()`` when the worker stops.
         log_interval_s (float): failures are summarised in the log at most this often.
 
@@ -121,11 +156,13 @@ class AnnotationWorker:
         max_concurrency: int = 4,
         poll_interval_s: float = 1.0,
         pairs: bool = True,
+        captions: bool = True,
         close_annotator: bool = False,
         log_interval_s: float = 60.0,
     ):
         if batch_size < 1 or max_concurrency < 1:
             raise ValueError("batch_size and max_concurrency must be >= 1")
+        self.captions = bool(captions)
         self.store = store
         self.annotator = annotator
         self.batch_size = int(batch_size)
@@ -149,12 +186,17 @@ class AnnotationWorker:
         self._idle_lock = threading.Lock()
         self._started_at: Optional[float] = None
         self._label_times: Deque[Tuple[float, int]] = collections.deque()
+        self._failure_times: Deque[Tuple[float, str, int]] = collections.deque(maxlen=4096)
         self._latencies: Deque[float] = collections.deque(maxlen=100)
+        self._call_started: Dict[asyncio.Future, float] = {}
+        self._was_available = True
+        self._recoveries_seen = getattr(annotator, "recoveries", None)
         self.labels_total = 0
         self.preferences_total = 0
         self.requests_total = 0
         self.parse_failures = 0
-        self.server_errors = 0
+        self.caption_server_failures = 0
+        self.requeued_total = 0
         self.failures_by_kind: Dict[str, int] = {}
         self._unlogged_failures: Dict[str, int] = {}
         self._last_failure_log = float("-inf")
@@ -173,6 +215,9 @@ class AnnotationWorker:
         self._ready.clear()
         self._idle.clear()
         self._started_at = time.monotonic()
+        # A resumed or reused store may hold captions that failed for server reasons (stores
+        # written by older versions even gave them up): they go back in the queue.
+        self._requeue("worker start")
         self._thread = threading.Thread(target=self._thread_main, name="oni-annotation", daemon=True)
         self._thread.start()
         self._ready.wait(timeout=10)
@@ -214,28 +259,134 @@ class AnnotationWorker:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> Dict[str, float]:
-        """Counters: ``labels_per_s`` (last minute), ``labels_total``, ``preferences_total``,
-        ``requests_total``, ``in_flight``, ``parse_failures``, ``server_errors``,
-        ``latency_s`` (mean of the last 100 calls), ``latency_max_s``."""
+        """Counters (thread-safe).
+
+        Worker: ``labels_per_s`` (labels and preferences, last minute), ``labels_total``,
+        ``preferences_total``, ``requests_total`` (calls answered), ``in_flight``,
+        ``parse_failures`` (captions and pairs answered unparsably), ``caption_server_failures``
+        (captions and pairs sent back to the queue for a server reason), ``requeued_total``
+        (put back in the queue when the server recovered or the worker started),
+        ``latency_s`` (mean of the last 100 calls), ``latency_max_s``, ``worker_running``.
+
+        Annotator (request level; 0 when the annotator keeps none): ``requests_sent``,
+        ``requests_unsent`` (refused without sending: circuit breaker open), ``server_errors``
+        (HTTP 5xx/429), ``timeouts``, ``connection_errors``, ``bad_answers``, ``auth_errors``,
+        ``rejected``, and whatever else its ``metrics()`` gives (``timeout_s``,
+        ``request_batch``, ``servers_up``, ``server/<i>/...``: see
+        :class:`~torchrl_oni.annotators.openai.OpenAIAnnotator`).
+        """
         now = time.monotonic()
+        out: Dict[str, float] = {k: 0.0 for k in _ANNOTATOR_COUNTERS}
+        annotator_metrics = getattr(self.annotator, "metrics", None)
+        if callable(annotator_metrics):
+            try:
+                out.update(annotator_metrics())
+            except Exception:  # noqa: BLE001 - metrics must never break the trainer
+                logger.debug("annotator.metrics() failed", exc_info=True)
         with self._metrics_lock:
-            while self._label_times and now - self._label_times[0][0] > 60.0:
-                self._label_times.popleft()
-            recent = sum(n for _, n in self._label_times)
+            recent = sum(n for t, n in self._label_times if now - t <= 60.0)
             window = min(60.0, now - self._started_at) if self._started_at is not None else 0.0
             latencies = list(self._latencies)
-            return {
+            out.update({
                 "labels_per_s": recent / window if window > 0 else 0.0,
                 "labels_total": self.labels_total,
                 "preferences_total": self.preferences_total,
                 "requests_total": self.requests_total,
                 "in_flight": self._in_flight,
                 "parse_failures": self.parse_failures,
-                "server_errors": self.server_errors,
+                "caption_server_failures": self.caption_server_failures,
+                "requeued_total": self.requeued_total,
                 "latency_s": float(np.mean(latencies)) if latencies else 0.0,
                 "latency_max_s": float(np.max(latencies)) if latencies else 0.0,
                 "worker_running": float(self.running),
-            }
+            })
+        return out
+
+    def health(self, window_s: float = 60.0) -> str:
+        """One short line on how annotation goes: ``"ok: ..."`` while labels arrive, else the
+        dominant reason why none did in the last ``window_s`` seconds (a dead or slow server,
+        a refused API key, unparsable answers, ...), for a warning the trainer prints while
+        coverage stays low. Thread-safe.
+
+        Example:
+            >>> from torchrl_oni.annotation import AnnotationWorker
+            >>> from torchrl_oni.annotators.scripted import ScriptedAnnotator
+            >>> from torchrl_oni.store import CaptionStore
+            >>> AnnotationWorker(CaptionStore(capacity=4), ScriptedAnnotator()).health()
+            'annotation worker not running'
+        """
+        if self.crashed is not None:
+            return f"annotation worker crashed: {type(self.crashed).__name__}: {_one_line(self.crashed)}"
+        if not self.running:
+            return "annotation worker not running"
+        now = time.monotonic()
+        stats = self.store.stats()
+        waiting = int(stats["unseen"] + stats["pending"])
+        with self._metrics_lock:
+            labels = sum(n for t, n in self._label_times if now - t <= window_s)
+            failures: Dict[str, int] = {}
+            for t, kind, n in self._failure_times:
+                if now - t <= window_s:
+                    failures[kind] = failures.get(kind, 0) + n
+            oldest = min(self._call_started.values(), default=None)
+            in_flight = self._in_flight
+        span = min(window_s, max(now - (self._started_at or now), 1e-9))
+        recent = self._annotator_call("recent", {}, window_s)
+        state = self._annotator_call("describe", "")
+        sizing = self._annotator_call("metrics", {})
+        tail = f"; {state}" if state else ""
+        if labels:
+            rate = labels / span
+            if waiting > rate * window_s:
+                return f"labelling {rate:.2g} captions/s with {waiting:,} waiting{tail}"
+            return f"ok: {rate:.2g} labels/s, {waiting:,} waiting{tail}"
+        if not waiting and not in_flight:
+            return "idle: no caption waiting for a label"
+        head = f"no labels in the last {window_s:g} s ({waiting:,} captions waiting): "
+        parse = sum(n for k, n in failures.items() if is_parse_failure(k))
+        other = {k: n for k, n in failures.items() if not is_parse_failure(k)}
+        limit = sizing.get("timeout_s", 0.0)
+        batch = int(sizing.get("request_batch", 0))
+        causes = [
+            (recent.get("auth", 0), f"the LLM server refused the API key ({recent.get('auth', 0)} "
+                                    "requests): set --llm-api-key or OPENAI_API_KEY"),
+            (recent.get("connection", 0), f"cannot reach the LLM server ({recent.get('connection', 0)} "
+                                          "connection errors)"),
+            (recent.get("timeout", 0), f"the LLM server is too slow: {recent.get('timeout', 0)} "
+                                       f"requests timed out (now {limit:.0f} s for {batch} prompts)"),
+            (recent.get("server", 0), f"the LLM server fails: {recent.get('server', 0)} HTTP 5xx/429 "
+                                      "answers"),
+            (recent.get("bad_answer", 0), f"the LLM server sends malformed answers "
+                                          f"({recent.get('bad_answer', 0)} requests)"),
+            (recent.get("rejected", 0), f"the LLM server rejects the requests ({recent.get('rejected', 0)} "
+                                        "HTTP 4xx): check --llm-model"),
+            (parse, f"the model's answers cannot be parsed ({parse} captions): try --llm-prompt "
+                    "short or a larger model"),
+        ]
+        if not recent and other:  # an annotator without request counters
+            top = max(other, key=other.get)
+            causes.append((sum(other.values()), f"annotation calls fail ({top}: {other[top]} captions)"))
+        count, text = max(causes, key=lambda c: c[0])
+        unsent = recent.get("unsent", 0)
+        held = f"; {unsent} requests held back by the circuit breaker" if unsent else ""
+        if count:
+            return head + text + held + tail
+        if state or unsent:
+            return head + (state or "circuit breaker open") + held
+        if in_flight and oldest is not None:
+            return (head + f"waiting for the LLM server: {in_flight} calls in flight, the oldest "
+                    f"for {now - oldest:.0f} s" + (f" (time limit {limit:.0f} s)" if limit else ""))
+        return head + "nothing sent yet"
+
+    def _annotator_call(self, name: str, default, *args):
+        fn = getattr(self.annotator, name, None)
+        if not callable(fn):
+            return default
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 - a summary must never break the trainer
+            logger.debug("annotator.%s() failed", name, exc_info=True)
+            return default
 
     def _record_success(self, n_labels: int, n_prefs: int, latency: float) -> None:
         now = time.monotonic()
@@ -246,16 +397,21 @@ class AnnotationWorker:
             self._latencies.append(latency)
             if n_labels + n_prefs:
                 self._label_times.append((now, n_labels + n_prefs))
+            while self._label_times and now - self._label_times[0][0] > 600.0:
+                self._label_times.popleft()
 
     def _record_failures(self, kinds: Sequence[str]) -> None:
+        now = time.monotonic()
         with self._metrics_lock:
             for kind in kinds:
-                if _is_parse_failure(kind):
+                if is_parse_failure(kind):
                     self.parse_failures += 1
                 else:
-                    self.server_errors += 1
+                    self.caption_server_failures += 1
                 self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
                 self._unlogged_failures[kind] = self._unlogged_failures.get(kind, 0) + 1
+            for kind in set(kinds):
+                self._failure_times.append((now, kind, sum(1 for k in kinds if k == kind)))
         self._flush_failure_log()
 
     def _flush_failure_log(self, force: bool = False) -> None:
@@ -268,7 +424,19 @@ class AnnotationWorker:
             summary = ", ".join(f"{k}: {v}" for k, v in sorted(self._unlogged_failures.items()))
             self._unlogged_failures = {}
             self._last_failure_log = now
-        logger.warning("annotation failures since last report (retried up to the store's limit): %s", summary)
+        logger.warning("annotation failures since the last report (captions; server faults are "
+                       "retried, unparsable answers given up after a few tries): %s", summary)
+
+    def _requeue(self, why: str) -> int:
+        requeue = getattr(self.store, "requeue_server_failures", None)
+        if not callable(requeue):
+            return 0
+        n = int(requeue())
+        if n:
+            with self._metrics_lock:
+                self.requeued_total += n
+            logger.info("annotation: %d captions that failed for server reasons are queued again (%s)", n, why)
+        return n
 
     # ------------------------------------------------------------------ the loop
     def _thread_main(self) -> None:
@@ -292,14 +460,26 @@ class AnnotationWorker:
         in_flight: set = set()
         while not self._stopping:
             seq = self._wake_seq
-            while len(in_flight) < self.max_concurrency:
+            available = self._annotator_call("available", True)
+            recoveries = getattr(self.annotator, "recoveries", None)
+            if recoveries is not None:
+                if recoveries != self._recoveries_seen:
+                    self._requeue("an LLM server answers again")
+                self._recoveries_seen = recoveries
+            elif available and not self._was_available:
+                self._requeue("the annotator is available again")
+            self._was_available = available
+            # While no request could be sent, claim nothing: no caption is held or refused.
+            limit = max(1, int(self._annotator_call("concurrency_hint", self.max_concurrency)))
+            while available and len(in_flight) < limit:
                 task = self._next_task()
                 if task is None:
                     break
                 in_flight.add(task)
+                self._call_started[task] = time.monotonic()
             with self._metrics_lock:
                 self._in_flight = len(in_flight)
-            if not in_flight:
+            if not in_flight and (available or not self._claimable()):
                 with self._idle_lock:
                     if self._wake_seq == seq:
                         self._idle.set()
@@ -310,7 +490,11 @@ class AnnotationWorker:
             wake.cancel()
             self._wake_event.clear()
             in_flight -= done
-        # Shutdown: give in-flight calls a moment, then cancel (their captions are released).
+            with self._metrics_lock:
+                for task in done:
+                    self._call_started.pop(task, None)
+        # Shutdown: give in-flight calls a moment, then cancel them (their captions are
+        # released; the annotator's aclose closes the connections so servers stop the work).
         if in_flight:
             _, still = await asyncio.wait(in_flight, timeout=self._drain_timeout_s)
             for task in still:
@@ -319,18 +503,25 @@ class AnnotationWorker:
                 await asyncio.gather(*still, return_exceptions=True)
         with self._metrics_lock:
             self._in_flight = 0
+            self._call_started.clear()
         if self.close_annotator and hasattr(self.annotator, "aclose"):
             try:
                 await self.annotator.aclose()
             except Exception:
                 logger.exception("annotator.aclose() failed")
 
+    def _claimable(self) -> int:
+        fn = getattr(self.store, "claimable", None)
+        return fn(captions=self.captions, pairs=self.pairs) if callable(fn) else 0
+
     def _next_task(self) -> Optional[asyncio.Task]:
-        hashes, texts = self.store.claim(self.batch_size)
-        if texts:
-            return asyncio.ensure_future(self._annotate(hashes, texts))
+        batch = max(1, min(self.batch_size, int(self._annotator_call("batch_hint", self.batch_size))))
+        if self.captions:
+            hashes, texts = self.store.claim(batch)
+            if texts:
+                return asyncio.ensure_future(self._annotate(hashes, texts))
         if self.pairs:
-            slots, pairs = self.store.claim_pairs(self.batch_size)
+            slots, pairs = self.store.claim_pairs(batch)
             if pairs:
                 return asyncio.ensure_future(self._compare(slots, pairs))
         return None
@@ -472,6 +663,7 @@ class LLMAnnotationTransform(Transform):
         max_concurrency: int = 4,
         poll_interval_s: float = 1.0,
         pairs: bool = True,
+        captions: bool = True,
         close_annotator: bool = False,
         log_interval_s: float = 60.0,
         coverage_window: int = 32,
@@ -491,6 +683,7 @@ class LLMAnnotationTransform(Transform):
             max_concurrency=max_concurrency,
             poll_interval_s=poll_interval_s,
             pairs=pairs,
+            captions=captions,
             close_annotator=close_annotator,
             log_interval_s=log_interval_s,
         )
@@ -610,17 +803,21 @@ class LLMAnnotationTransform(Transform):
     def metrics(self) -> Dict[str, float]:
         """Annotation health, for logging.
 
-        Keys: the worker's (``labels_per_s``, ``labels_total``, ``parse_failures``,
-        ``server_errors``, ``latency_s``, ...), the store's queue (``pending`` = claimed and in
-        the annotator, ``unseen`` = waiting, ``queue_depth`` = both, ``labelled``, ``failed``,
-        ``size``), ``coverage``
-        (fraction of steps in the last ``coverage_window`` calls whose caption was labelled at
-        the time), ``steps_seen`` and ``new_captions``.
+        Keys: the worker's and the annotator's (:meth:`AnnotationWorker.metrics`:
+        ``labels_per_s``, ``labels_total``, ``parse_failures``, ``caption_server_failures``,
+        ``requests_unsent``, ``server_errors``, ``timeouts``, ``connection_errors``,
+        ``latency_s``, ...), the store's queue (``pending`` = claimed and in the annotator,
+        ``unseen`` = waiting, ``queue_depth`` = both, ``labelled``, ``given_up``, ``failed``,
+        ``retrying``, ``size``), ``seen_coverage`` (fraction of every step seen so far whose
+        caption is labelled now), ``coverage`` (fraction of steps in the last
+        ``coverage_window`` calls whose caption was labelled at the time), ``steps_seen`` and
+        ``new_captions``. For one line on what goes wrong, see :meth:`health`.
         """
         out = dict(self.worker.metrics())
         stats = self.store.stats()
-        for key in ("size", "unseen", "pending", "labelled", "failed", "retrying", "positives"):
-            out[key] = stats[key]
+        for key in ("size", "unseen", "pending", "labelled", "given_up", "failed", "retrying",
+                    "positives", "seen_coverage"):
+            out[key] = stats.get(key, 0)
         out["queue_depth"] = stats["unseen"] + stats["pending"]
         labelled = sum(n for n, _ in self._coverage)
         total = sum(n for _, n in self._coverage)
@@ -628,6 +825,13 @@ class LLMAnnotationTransform(Transform):
         out["steps_seen"] = self._steps_seen
         out["new_captions"] = self._new_captions
         return out
+
+    def health(self, window_s: float = 60.0) -> str:
+        """One short line on annotation: ``"ok: ..."`` or why no label arrived in the last
+        ``window_s`` seconds (see :meth:`AnnotationWorker.health`)."""
+        if self._closed:
+            return "annotation closed"
+        return self.worker.health(window_s)
 
     def __repr__(self) -> str:
         return (

@@ -11,9 +11,12 @@ field                     dtype / shape   meaning
 ``caption_hash``          int64           :func:`torchrl_oni.captions.caption_hash`
 ``label``                 float32         the annotator's label, NaN while unlabelled
 ``score``                 float32         the annotator's probability, NaN if it gave none
-``status``                int8            0 unseen, 1 pending, 2 labelled, 3 failed
+``status``                int8            0 unseen, 1 pending, 2 labelled, 3 failed (stores
+                                          written before server faults were told apart: put
+                                          back in the queue by :meth:`~CaptionStore.requeue_server_failures`),
+                                          4 given up (its answers could not be parsed)
 ``times_seen``            int64           how many steps showed this caption
-``attempts``              int16           failed annotation attempts so far
+``attempts``              int16           answers that could not be parsed so far
 ``provenance``            int16           id into :attr:`CaptionStore.provenances`, -1 none
 ========================  ==============  ==================================================
 
@@ -26,9 +29,22 @@ safe to share between the trainer (``add``/``lookup``) and an annotation thread
 (``claim``/``set_labels``/``mark_failed``).
 
 Life of a caption: ``add`` → unseen → ``claim`` → pending → ``set_labels`` → labelled, or
-``mark_failed`` → unseen again after a backoff (retryable) → ... → failed after
-``max_attempts``. ``release_pending`` (and :meth:`CaptionStore.load`) send pending captions
-back to unseen so no caption is lost when a run stops mid-annotation.
+``mark_failed`` → unseen again after a backoff. Failures are of two kinds:
+
+* **server faults** (timeouts, HTTP 5xx, connection errors, a request held back by the circuit
+  breaker, anything that is not an unparsable answer) say nothing about the caption: it goes
+  back to the queue after a short backoff (``server_retry_s``, doubling, at most 5 minutes) and
+  is **never given up**. :meth:`CaptionStore.requeue_server_failures` cancels those backoffs
+  (the annotation worker calls it when the server is back, and when it starts on a reused or
+  resumed store);
+* **unparsable answers** count as attempts: after ``max_attempts`` of them the caption is
+  *given up* (status 4), counted in ``stats()["given_up"]`` and listed by
+  :meth:`CaptionStore.given_up`.
+
+Unseen captions are handed out most frequently seen first (``claim_order="most_seen"``), so
+the steps' coverage (``stats()["seen_coverage"]``) rises as fast as the server allows.
+``release_pending`` (and :meth:`CaptionStore.load`) send pending captions back to unseen so no
+caption is lost when a run stops mid-annotation.
 
 Example:
     >>> import torch
@@ -63,14 +79,33 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer
 
-from torchrl_oni.atomic import atomic_write
+from torchrl_oni.atomic import UnreadableFileError, atomic_write, safe_torch_load
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_messages, hash_messages
 
-__all__ = ["CaptionStore", "UNSEEN", "PENDING", "LABELLED", "FAILED"]
+__all__ = ["CaptionStore", "UNSEEN", "PENDING", "LABELLED", "FAILED", "GIVEN_UP", "is_parse_failure"]
 
-UNSEEN, PENDING, LABELLED, FAILED = 0, 1, 2, 3
-STATUS_NAMES = {UNSEEN: "unseen", PENDING: "pending", LABELLED: "labelled", FAILED: "failed"}
+# FAILED is only found in stores written before server faults were told apart from unparsable
+# answers (such captions were given up after 3 server errors); new code never writes it.
+UNSEEN, PENDING, LABELLED, FAILED, GIVEN_UP = 0, 1, 2, 3, 4
+STATUS_NAMES = {UNSEEN: "unseen", PENDING: "pending", LABELLED: "labelled", FAILED: "failed",
+                GIVEN_UP: "given up"}
+
+# Longest wait before a caption that failed for a server reason is handed out again.
+_MAX_SERVER_RETRY_S = 300.0
+
+
+def is_parse_failure(error_kind: str) -> bool:
+    """True for failures that are the model's fault (an answer that could not be parsed).
+
+    Everything else (timeouts, HTTP errors, connection errors, ``"circuit open"``, exceptions)
+    is a server fault: it says nothing about the caption.
+
+    Example:
+        >>> is_parse_failure("unparsable"), is_parse_failure("timeout")
+        (True, False)
+    """
+    return "pars" in error_kind.lower()
 
 _FORMAT = "torchrl_oni.CaptionStore"
 _VERSION = 1
@@ -109,6 +144,24 @@ def _shape_of(x: ArrayLike) -> Tuple[int, ...]:
     if isinstance(x, (torch.Tensor, np.ndarray)):
         return tuple(x.shape)
     return np.shape(x)
+
+
+def _most_seen_first(cand: np.ndarray, seen: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` candidates seen most often, in that order; ties oldest (lowest slot) first.
+
+    ``cand`` is sorted ascending. A partial sort keeps a claim cheap on a large backlog (the
+    store's lock is held, and the trainer waits on it).
+    """
+    if k < len(cand):
+        if k <= 0:
+            return cand[:0]
+        kth = np.partition(seen, len(seen) - k)[len(seen) - k]  # the k-th largest count
+        above = np.flatnonzero(seen > kth)
+        ties = np.flatnonzero(seen == kth)[: k - len(above)]  # oldest first: cand is sorted
+        keep = np.concatenate([above, ties])
+        cand, seen = cand[keep], seen[keep]
+    # lexsort: last key is primary -> by -times_seen, then by slot (oldest).
+    return cand[np.lexsort((cand, -seen))]
 
 
 class _HashIndex:
@@ -260,9 +313,13 @@ class CaptionStore:
             ``"memmap"`` (:class:`~torchrl.data.LazyMemmapStorage`). Default ``"tensor"``.
         scratch_dir (str, optional): folder for the memmap files (memmap only; a temporary
             folder cleaned at exit when omitted).
-        max_attempts (int): failed attempts after which a caption is given up (status failed).
-        retry_backoff_s (float): a caption that failed ``k`` times is retried after
+        max_attempts (int): unparsable answers after which a caption is given up. Server
+            faults never count (see the module docstring).
+        retry_backoff_s (float): a caption answered unparsably ``k`` times is retried after
             ``retry_backoff_s * 2 ** (k - 1)`` seconds (capped at 1 hour).
+        server_retry_s (float): a caption whose request failed for a server reason ``k`` times
+            in a row is handed out again after ``server_retry_s * 2 ** (k - 1)`` seconds (capped
+            at 5 minutes), or as soon as :meth:`requeue_server_failures` is called.
         claim_order (str): which unseen captions :meth:`claim` hands out first:
             ``"most_seen"`` (default: the captions covering most steps are labelled first, ties
             oldest-first) or ``"oldest"`` (insertion order).
@@ -289,6 +346,7 @@ class CaptionStore:
         retry_backoff_s: float = 30.0,
         claim_order: str = "most_seen",
         pair_capacity: int = 4096,
+        server_retry_s: float = 5.0,
     ):
         if claim_order not in ("most_seen", "oldest"):
             raise ValueError(f"claim_order must be 'most_seen' or 'oldest', got {claim_order!r}")
@@ -298,6 +356,7 @@ class CaptionStore:
         self.scratch_dir = scratch_dir
         self.max_attempts = int(max_attempts)
         self.retry_backoff_s = float(retry_backoff_s)
+        self.server_retry_s = float(server_retry_s)
         self.claim_order = claim_order
         self._lock = threading.RLock()
         self._captions = _Table(_CAPTION_FIELDS, capacity, storage, scratch_dir, "captions")
@@ -306,9 +365,15 @@ class CaptionStore:
         self._pair_index: Dict[Tuple[int, int], int] = {}
         self._provenances: List[Provenance] = []
         self._provenance_ids: Dict[Provenance, int] = {}
-        # slot -> monotonic time before which a failed caption is not handed out again.
+        # slot -> monotonic time before which a failed caption is not handed out again, for
+        # unparsable answers (kept until the caption is labelled) and for server faults (dropped
+        # by requeue_server_failures), with the count of server faults in a row per slot.
         self._retry_at: Dict[int, float] = {}
         self._pair_retry_at: Dict[int, float] = {}
+        self._server_retry_at: Dict[int, float] = {}
+        self._pair_server_retry_at: Dict[int, float] = {}
+        self._server_faults: Dict[int, int] = {}
+        self._pair_server_faults: Dict[int, int] = {}
         self.error_counts: Dict[str, int] = {}
 
     # ------------------------------------------------------------------ basics
@@ -454,13 +519,25 @@ class CaptionStore:
             out[np.flatnonzero(known)[ok]] = self._captions.cols["score"][s[ok]]
         return torch.from_numpy(out).reshape(shape)
 
-    def _retry_blocked(self, retry_at: Dict[int, float]) -> np.ndarray:
-        if not retry_at:
+    @staticmethod
+    def _retry_blocked(*retry_ats: Dict[int, float]) -> np.ndarray:
+        """Slots still waiting for a retry backoff (expired entries are dropped on the way)."""
+        if not any(retry_ats):
             return np.empty(0, dtype=np.int64)
         now = time.monotonic()
-        for slot in [k for k, t in retry_at.items() if t <= now]:
-            del retry_at[slot]
-        return np.fromiter(retry_at.keys(), dtype=np.int64, count=len(retry_at))
+        for retry_at in retry_ats:
+            for slot in [k for k, t in retry_at.items() if t <= now]:
+                del retry_at[slot]
+        keys = [k for retry_at in retry_ats for k in retry_at]
+        return np.fromiter(keys, dtype=np.int64, count=len(keys))
+
+    def _claimable(self) -> np.ndarray:
+        """Unseen caption slots whose retry backoff (if any) has passed, oldest first."""
+        cand = np.flatnonzero(self._captions.cols["status"][: self._captions.size] == UNSEEN)
+        blocked = self._retry_blocked(self._retry_at, self._server_retry_at)
+        if len(blocked) and len(cand):
+            cand = cand[~np.isin(cand, blocked)]
+        return cand
 
     def claim(self, max_items: int) -> Tuple[torch.Tensor, List[str]]:
         """Hands out up to ``max_items`` captions to annotate and marks them pending.
@@ -475,24 +552,25 @@ class CaptionStore:
         max_items = max(int(max_items), 0)
         with self._lock:
             cols = self._captions.cols
-            n = self._captions.size
-            cand = np.flatnonzero(cols["status"][:n] == UNSEEN)
-            blocked = self._retry_blocked(self._retry_at)
-            if len(blocked) and len(cand):
-                cand = cand[~np.isin(cand, blocked)]
-            if max_items < len(cand):
-                if self.claim_order == "most_seen":
-                    # lexsort: last key is primary -> by -times_seen, then by slot (oldest).
-                    order = np.lexsort((cand, -cols["times_seen"][cand]))
-                    cand = cand[order[:max_items]]
-                else:
-                    cand = cand[:max_items]
-            elif self.claim_order == "most_seen" and len(cand):
-                cand = cand[np.lexsort((cand, -cols["times_seen"][cand]))]
+            cand = self._claimable()
+            if self.claim_order == "most_seen" and len(cand):
+                cand = _most_seen_first(cand, cols["times_seen"][cand], max_items)
+            else:
+                cand = cand[:max_items]
             cols["status"][cand] = PENDING
             hashes = np.array(cols[CAPTION_HASH_KEY][cand])
             messages = np.array(cols[MESSAGE_KEY][cand])
         return torch.from_numpy(hashes), decode_messages(messages)
+
+    def claimable(self, captions: bool = True, pairs: bool = True) -> int:
+        """How many captions and/or pairs :meth:`claim` / :meth:`claim_pairs` would hand out now."""
+        with self._lock:
+            n_pairs = 0
+            if pairs:
+                open_pairs = np.flatnonzero(self._pairs.cols["status"][: self._pairs.size] == UNSEEN)
+                blocked = self._retry_blocked(self._pair_retry_at, self._pair_server_retry_at)
+                n_pairs = len(open_pairs) - int(np.isin(open_pairs, blocked).sum()) if len(blocked) else len(open_pairs)
+            return (len(self._claimable()) if captions else 0) + n_pairs
 
     def pending(self) -> torch.Tensor:
         """Hashes of the captions claimed but not yet labelled or failed."""
@@ -546,35 +624,61 @@ class CaptionStore:
     def _backoff(self, attempts: np.ndarray) -> np.ndarray:
         return np.minimum(self.retry_backoff_s * 2.0 ** (attempts.astype(np.float64) - 1), 3600.0)
 
-    def mark_failed(self, hashes: ArrayLike, error_kind: str = "error") -> torch.Tensor:
-        """Records a failed annotation attempt.
-
-        The caption goes back to unseen, retryable after a backoff, or to failed once it has
-        failed ``max_attempts`` times. Labelled captions are left alone (a late failure never
-        erases a label).
+    def _fail(self, table: "_Table", slots: np.ndarray, error_kind: str, parse_failure: Optional[bool],
+              retry_at: Dict[int, float], server_retry_at: Dict[int, float],
+              server_faults: Dict[int, int]) -> Tuple[np.ndarray, np.ndarray]:
+        """Records failed attempts on ``slots`` of ``table`` (lock held).
 
         Returns:
-            a BoolTensor shaped like ``hashes``: True where the caption was given up (failed).
+            ``(slots that took the failure, mask of those given up)``.
+        """
+        cols = table.cols
+        status = cols["status"][slots]
+        slots = slots[(status != LABELLED) & (status != GIVEN_UP)]
+        self.error_counts[error_kind] = self.error_counts.get(error_kind, 0) + len(slots)
+        now = time.monotonic()
+        if not (is_parse_failure(error_kind) if parse_failure is None else parse_failure):
+            # A server fault says nothing about the caption: back to the queue, no attempt spent.
+            cols["status"][slots] = UNSEEN
+            for slot in slots.tolist():
+                k = server_faults.get(slot, 0) + 1
+                server_faults[slot] = k
+                delay = min(self.server_retry_s * 2.0 ** (min(k, 30) - 1), _MAX_SERVER_RETRY_S)
+                server_retry_at[slot] = now + delay
+            return slots, np.zeros(len(slots), dtype=bool)
+        cols["attempts"][slots] += 1
+        attempts = cols["attempts"][slots]
+        give_up = attempts >= self.max_attempts
+        cols["status"][slots[give_up]] = GIVEN_UP
+        cols["status"][slots[~give_up]] = UNSEEN
+        for slot, delay in zip(slots[~give_up].tolist(), self._backoff(attempts[~give_up]).tolist()):
+            retry_at[slot] = now + delay
+        for slot in slots[give_up].tolist():
+            retry_at.pop(slot, None)
+        return slots, give_up
+
+    def mark_failed(self, hashes: ArrayLike, error_kind: str = "error", *,
+                    parse_failure: Optional[bool] = None) -> torch.Tensor:
+        """Records a failed annotation attempt.
+
+        A server fault (any ``error_kind`` for which :func:`is_parse_failure` is False, unless
+        ``parse_failure`` says otherwise) sends the caption back to unseen after a short backoff
+        and spends no attempt. An unparsable answer spends one: the caption is retried after
+        ``retry_backoff_s * 2 ** (k - 1)`` seconds, and given up after ``max_attempts``.
+        Labelled and given-up captions are left alone (a late failure never erases a label).
+
+        Returns:
+            a BoolTensor shaped like ``hashes``: True where the caption was given up.
         """
         shape = _shape_of(hashes)
         flat = _to_numpy(hashes, np.int64).reshape(-1)
         gave_up = np.zeros(len(flat), dtype=bool)
         with self._lock:
-            cols = self._captions.cols
             slots = self._index.find(flat)
             idx = np.flatnonzero(slots >= 0)
-            idx = idx[cols["status"][slots[idx]] != LABELLED]
-            s = slots[idx]
-            self.error_counts[error_kind] = self.error_counts.get(error_kind, 0) + len(s)
-            cols["attempts"][s] += 1
-            attempts = cols["attempts"][s]
-            give_up = attempts >= self.max_attempts
-            cols["status"][s[give_up]] = FAILED
-            cols["status"][s[~give_up]] = UNSEEN
-            now = time.monotonic()
-            for slot, delay in zip(s[~give_up].tolist(), self._backoff(attempts[~give_up]).tolist()):
-                self._retry_at[slot] = now + delay
-            gave_up[idx[give_up]] = True
+            failed, give_up = self._fail(self._captions, slots[idx], error_kind, parse_failure,
+                                         self._retry_at, self._server_retry_at, self._server_faults)
+            gave_up[idx[np.isin(slots[idx], failed[give_up])]] = True
         return torch.from_numpy(gave_up).reshape(shape)
 
     def retry_failed(self) -> int:
@@ -582,10 +686,54 @@ class CaptionStore:
         with self._lock:
             cols = self._captions.cols
             n = self._captions.size
-            failed = np.flatnonzero(cols["status"][:n] == FAILED)
+            failed = np.flatnonzero(np.isin(cols["status"][:n], (FAILED, GIVEN_UP)))
             cols["status"][failed] = UNSEEN
             cols["attempts"][failed] = 0
             return len(failed)
+
+    def requeue_server_failures(self) -> int:
+        """Puts every caption and pair that failed for a server reason back in the queue now.
+
+        Cancels the backoffs of server faults, and sends the ``failed`` rows of stores written
+        by older versions (which gave captions up after 3 server errors) back to unseen with a
+        fresh attempt count. Given-up captions (unparsable answers) stay given up. Call it when
+        the server is healthy again and after loading a store; :class:`AnnotationWorker` does
+        both.
+
+        Returns:
+            how many captions and pairs became claimable.
+
+        Example:
+            >>> from torchrl_oni.captions import encode_messages, hash_messages
+            >>> store = CaptionStore(capacity=4, server_retry_s=60.0)
+            >>> msgs = encode_messages(["a"])
+            >>> _ = store.add(msgs, hash_messages(msgs))
+            >>> _ = store.mark_failed(store.claim(1)[0], "timeout")
+            >>> store.claim(1)[1], store.requeue_server_failures(), store.claim(1)[1]
+            ([], 1, ['a'])
+        """
+        with self._lock:
+            now = time.monotonic()
+            count = 0
+            for table, retry_at, faults in ((self._captions, self._server_retry_at, self._server_faults),
+                                            (self._pairs, self._pair_server_retry_at, self._pair_server_faults)):
+                status = table.cols["status"][: table.size]
+                legacy = np.flatnonzero(status == FAILED)
+                status[legacy] = UNSEEN
+                table.cols["attempts"][legacy] = 0
+                waiting = [slot for slot, t in retry_at.items() if t > now and status[slot] == UNSEEN]
+                count += len(legacy) + len(waiting)
+                retry_at.clear()
+                faults.clear()
+            return count
+
+    def given_up(self) -> List[str]:
+        """The captions given up because their answers could not be parsed (oldest first)."""
+        with self._lock:
+            n = self._captions.size
+            slots = np.flatnonzero(self._captions.cols["status"][:n] == GIVEN_UP)
+            messages = np.array(self._captions.cols[MESSAGE_KEY][slots])
+        return decode_messages(messages)
 
     def release(self, hashes: ArrayLike) -> int:
         """Sends the given pending captions back to unseen (work that was claimed but dropped)."""
@@ -687,7 +835,7 @@ class CaptionStore:
             cols = self._pairs.cols
             n = self._pairs.size
             cand = np.flatnonzero(cols["status"][:n] == UNSEEN)
-            blocked = self._retry_blocked(self._pair_retry_at)
+            blocked = self._retry_blocked(self._pair_retry_at, self._pair_server_retry_at)
             if len(blocked) and len(cand):
                 cand = cand[~np.isin(cand, blocked)]
             cand = cand[:max_items]
@@ -724,21 +872,13 @@ class CaptionStore:
             for slot in s.tolist():
                 self._pair_retry_at.pop(slot, None)
 
-    def mark_pairs_failed(self, pair_slots: ArrayLike, error_kind: str = "error") -> None:
+    def mark_pairs_failed(self, pair_slots: ArrayLike, error_kind: str = "error", *,
+                          parse_failure: Optional[bool] = None) -> None:
         """Like :meth:`mark_failed`, for pairs."""
         with self._lock:
             s = self._check_pair_slots(pair_slots)
-            cols = self._pairs.cols
-            s = s[cols["status"][s] != LABELLED]
-            self.error_counts[error_kind] = self.error_counts.get(error_kind, 0) + len(s)
-            cols["attempts"][s] += 1
-            attempts = cols["attempts"][s]
-            give_up = attempts >= self.max_attempts
-            cols["status"][s[give_up]] = FAILED
-            cols["status"][s[~give_up]] = UNSEEN
-            now = time.monotonic()
-            for slot, delay in zip(s[~give_up].tolist(), self._backoff(attempts[~give_up]).tolist()):
-                self._pair_retry_at[slot] = now + delay
+            self._fail(self._pairs, s, error_kind, parse_failure, self._pair_retry_at,
+                       self._pair_server_retry_at, self._pair_server_faults)
 
     def pending_pairs(self) -> torch.Tensor:
         """Slots of the pairs claimed but not yet answered."""
@@ -773,17 +913,19 @@ class CaptionStore:
     def stats(self) -> Dict[str, float]:
         """Counts and coverage.
 
-        Keys: ``size``, ``capacity``, ``unseen``, ``pending``, ``labelled``, ``failed`` (given up),
-        ``retrying`` (unseen after a failure), ``positives`` (labelled with label >= 0.5),
+        Keys: ``size``, ``capacity``, ``unseen``, ``pending``, ``labelled``, ``given_up``
+        (unparsable answers), ``failed`` (given up, plus any ``failed`` rows of an older store not
+        yet requeued), ``retrying`` (unseen after a failure), ``positives`` (labelled with
+        label >= 0.5),
         ``labelled_fraction`` (labelled / size), ``seen_coverage`` (fraction of all sightings
         whose caption is labelled), ``pairs``, ``pairs_labelled``, ``pairs_pending``,
-        ``nbytes``, and ``errors/<kind>`` counts.
+        ``pairs_given_up``, ``nbytes``, and ``errors/<kind>`` counts.
         """
         with self._lock:
             n = self._captions.size
             cols = self._captions.cols
             status = cols["status"][:n]
-            counts = np.bincount(status.astype(np.int64), minlength=4) if n else np.zeros(4, np.int64)
+            counts = np.bincount(status.astype(np.int64), minlength=5) if n else np.zeros(5, np.int64)
             labelled = status == LABELLED
             seen = cols["times_seen"][:n]
             total_seen = int(seen.sum())
@@ -794,14 +936,18 @@ class CaptionStore:
                 "unseen": int(counts[UNSEEN]),
                 "pending": int(counts[PENDING]),
                 "labelled": int(counts[LABELLED]),
-                "failed": int(counts[FAILED]),
-                "retrying": int(((status == UNSEEN) & (cols["attempts"][:n] > 0)).sum()),
+                "given_up": int(counts[GIVEN_UP]),
+                "failed": int(counts[FAILED] + counts[GIVEN_UP]),
+                "retrying": int(((status == UNSEEN) & (cols["attempts"][:n] > 0)).sum())
+                + sum(1 for slot in self._server_faults
+                      if status[slot] == UNSEEN and cols["attempts"][slot] == 0),
                 "positives": int((cols["label"][:n][labelled] >= 0.5).sum()),
                 "labelled_fraction": float(counts[LABELLED] / n) if n else 0.0,
                 "seen_coverage": float(seen[labelled].sum() / total_seen) if total_seen else 0.0,
                 "pairs": self._pairs.size,
                 "pairs_labelled": int((pstatus == LABELLED).sum()),
                 "pairs_pending": int((pstatus == PENDING).sum()),
+                "pairs_given_up": int((pstatus == GIVEN_UP).sum()),
                 "nbytes": self._captions.nbytes + self._pairs.nbytes + self._index.nbytes,
             }
             for kind, count in self.error_counts.items():
@@ -864,23 +1010,29 @@ class CaptionStore:
             storage, scratch_dir: as in the constructor (the file does not fix them).
             capacity: initial capacity (default: the saved one, at least the saved size).
             **kwargs: overrides of ``max_attempts``, ``retry_backoff_s``, ``claim_order``.
+
+        Raises:
+            FileNotFoundError: no such file.
+            UnreadableFileError: (a ``ValueError``) a truncated, foreign or damaged file, or one
+                holding more than tensors and plain data: it is read with
+                ``torch.load(weights_only=True)``, so a crafted file is refused before it runs.
         """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no CaptionStore file at {path}")
-        try:
-            data = torch.load(path, weights_only=True)
-        except Exception as err:  # a truncated or foreign file
-            raise ValueError(f"{path} is not a readable CaptionStore file ({type(err).__name__}: {err})") from None
+        data = safe_torch_load(path, what="CaptionStore file")
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise ValueError(f"{path} is not a CaptionStore file")
+            raise UnreadableFileError(f"{path} is not a CaptionStore file")
         if data.get("version") != _VERSION:
-            raise ValueError(f"{path}: unsupported CaptionStore version {data.get('version')}")
-        config = dict(data["config"])
-        captions, pairs = data["captions"], data["pairs"]
-        size = len(captions[CAPTION_HASH_KEY])
-        n_pairs = len(pairs["slot_a"])
-        options = {k: config[k] for k in ("max_attempts", "retry_backoff_s", "claim_order")}
+            raise UnreadableFileError(f"{path}: unsupported CaptionStore version {data.get('version')}")
+        try:
+            config = dict(data["config"])
+            captions, pairs = data["captions"], data["pairs"]
+            size = len(captions[CAPTION_HASH_KEY])
+            n_pairs = len(pairs["slot_a"])
+            options = {k: config[k] for k in ("max_attempts", "retry_backoff_s", "claim_order")}
+        except (KeyError, TypeError) as err:
+            raise UnreadableFileError(f"{path} is a damaged CaptionStore file (no {err})") from None
         options.update(kwargs)
         store = cls(
             capacity=max(capacity or config["capacity"], size, 1),

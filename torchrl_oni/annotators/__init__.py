@@ -22,7 +22,13 @@ from torchrl_oni.annotators.base import (
     Preference,
     Provenance,
 )
-from torchrl_oni.annotators.openai import AnnotatorUnavailable, CircuitBreaker, OpenAIAnnotator
+from torchrl_oni.annotators.openai import (
+    AnnotatorUnavailable,
+    CircuitBreaker,
+    OpenAIAnnotator,
+    RequestSizer,
+    resolve_model,
+)
 from torchrl_oni.annotators.scripted import ScriptedAnnotator
 
 __all__ = [
@@ -37,5 +43,7 @@ __all__ = [
     "OpenAIAnnotator",
     "Preference",
     "Provenance",
+    "RequestSizer",
     "ScriptedAnnotator",
+    "resolve_model",
 ]
