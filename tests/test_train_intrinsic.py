@@ -201,3 +201,35 @@ def test_reward_model_time_budget_spreads_owed_steps():
     assert budget.owed == 26
     assert budget.due(11) == 0 and budget.owed == 58  # new labels owe 32 more; no credit left
     assert budget.due(12) == 0 and budget.owed == 64  # debt is capped
+
+def test_low_label_coverage_is_said_loudly(tmp_path):
+    """A run whose intrinsic reward gets no labels warns once a minute with the cause, and its
+    summary says so (the issue: 0 of 2,739 captions labelled and one easily missed line)."""
+    from torchrl_oni.train import TrainConfig
+    from torchrl_oni.train.intrinsic import ALERT_EVERY_S, COVERAGE_GRACE_S, IntrinsicRewardHook
+
+    hook = IntrinsicRewardHook(TrainConfig(intrinsic_reward="retrieval", annotator="scripted", logdir=str(tmp_path)))
+    try:
+        starving = {"labels/seen_coverage": 0.0, "labels/labelled": 0, "labels/captions": 120}
+        assert hook.alert(starving) is None  # the LLM gets a minute before anyone is warned
+        hook._started -= COVERAGE_GRACE_S + 1
+        hook._last_alert -= ALERT_EVERY_S + 1
+        line = hook.alert(starving)
+        assert line and "0.0% of steps" in line and "annotation:" in line
+        assert hook.alert(starving) is None  # at most once a minute
+        hook._last_alert -= ALERT_EVERY_S + 1
+        assert hook.alert({"labels/seen_coverage": 0.8}) is None  # labels arrive: nothing to say
+        (final,) = hook.final_warnings(starving)
+        assert "ONI barely ran: 0 of 120 captions" in final
+        assert hook.final_warnings({"labels/seen_coverage": 0.97}) == []
+    finally:
+        hook.close(save=False)
+
+
+def test_the_summary_prints_the_warning(capsys):
+    from torchrl_oni.train.cli import _print_summary
+    from torchrl_oni.train import TrainConfig
+
+    _print_summary(TrainConfig(), {"frames": 10.0, "warnings": ["ONI barely ran: 0 of 5 captions labelled"]})
+    out = capsys.readouterr().out
+    assert "!! ONI barely ran" in out

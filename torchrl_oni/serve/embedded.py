@@ -1198,3 +1198,30 @@ def start_embedded_server(
                           max_queue=max_queue, read_timeout=read_timeout,
                           max_body_bytes=max_body_bytes)
     return ServerHandle(server, host, port, insecure_no_auth=insecure_no_auth).start()
+
+
+def start_embedded_process(model: Optional[str] = None, *, threads: Optional[int] = None,
+                           startup_timeout: float = 900.0, log_path: Optional[str] = None):
+    """The embedded server in a child process of its own (``python -m torchrl_oni.serve``).
+
+    Why a process: a model served from a thread of the training process shares that process's
+    GIL and torch thread pool with the learner, so on a busy machine it answers a few prompts a
+    minute; a process of its own gets its share of the cores from the OS. The child stops with
+    its parent (process group, ``PR_SET_PDEATHSIG``), as vLLM does under :class:`VLLMServer`.
+
+    Returns:
+        A started :class:`~torchrl_oni.serve.vllm.VLLMServer` with ``.url``, ``.model``, ``.stop()``.
+
+    Raises:
+        VLLMLaunchError: the process exited or did not answer within ``startup_timeout``.
+    """
+    import sys
+
+    from torchrl_oni.serve.models import DEFAULT_MODEL
+    from torchrl_oni.serve.vllm import VLLMServer
+
+    name = model or DEFAULT_MODEL
+    return VLLMServer(name, port=0, served_model_name=name,
+                      launcher=[sys.executable, "-m", "torchrl_oni.serve", "--backend", "embedded"],
+                      extra_args=["--threads", str(threads)] if threads else [],
+                      startup_timeout=startup_timeout, log_path=log_path).start()

@@ -107,6 +107,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         fail(PROG, str(err))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("torchrl").setLevel(logging.WARNING)  # its INFO lines (storage sizes) would go to stdout
+    logging.getLogger("torchrl_oni").setLevel(logging.INFO)  # what the run is doing: LLM start-up, resume
     from .checkpoint import CheckpointError
     from .intrinsic import build_intrinsic_hooks
     from .logging import MetricsFileError

@@ -112,6 +112,10 @@ class AnnotationConfig:
     llm_concurrency: int = setting(4, "LLM requests in flight")
     llm_timeout: Optional[float] = setting(None, "seconds before an LLM request is abandoned (default: adapts "
                                            "to the latency the server shows)")
+    embedded_server: Literal["process", "thread"] = setting(
+        "process", "without --llm-url: run the embedded CPU model in a process of its own (the OS gives it its "
+        "share of the cores) or in a thread of the trainer (shares the learner's GIL and threads)")
+    embedded_threads: Optional[int] = setting(None, "torch threads of the embedded CPU model (none: 1)")
     goal: Literal["default", "combat", "gold", "stairs", "zero-knowledge"] = setting(
         "default", "what counts as progress for the annotator and the goal-based rewards")
     caption_store: Optional[str] = setting(None, "caption/label store, loaded if it exists and saved at "

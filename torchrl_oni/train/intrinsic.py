@@ -47,25 +47,13 @@ log = logging.getLogger("torchrl_oni.train")
 
 TOP_MESSAGES_NAME = "top_messages.txt"
 CAPTION_STORE_NAME = "captions.pt"
-
-
-class _PairsOnlyStore:
-    """The store as the ranking annotation worker sees it: pairs to compare, no single captions.
-
-    ONI-Ranking needs preferences only; without this the worker would label every caption first.
-    """
-
-    def __init__(self, store):
-        self._store = store
-
-    def claim(self, max_items: int):
-        return torch.zeros(0, dtype=torch.int64), []
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def __repr__(self) -> str:
-        return f"PairsOnly({self._store!r})"
+# Warn while fewer than LOW_COVERAGE of the steps have a labelled caption, after the first
+# COVERAGE_GRACE_S (the LLM needs a moment), at most every ALERT_EVERY_S; the final summary
+# warns below FINAL_COVERAGE_WARNING.
+LOW_COVERAGE = 0.05
+COVERAGE_GRACE_S = 60.0
+ALERT_EVERY_S = 60.0
+FINAL_COVERAGE_WARNING = 0.5
 
 
 def _check_llm(annotator) -> None:
@@ -81,31 +69,38 @@ def _check_llm(annotator) -> None:
 
 
 def make_annotator(cfg: TrainConfig):
-    """``(annotator, server_handle or None)`` for ``cfg.annotation``, checked to answer."""
-    from ..annotators import OpenAIAnnotator, ScriptedAnnotator
+    """``(annotator, server_handle or None)`` for ``cfg.annotation``, checked to answer.
+
+    Rules (``--annotator scripted``), a pool of OpenAI-compatible servers (``--llm-url``; the
+    model defaults to the only one they list) or the embedded CPU server started here.
+    """
+    from ..annotators import OpenAIAnnotator, ScriptedAnnotator, resolve_model
 
     ann = cfg.annotation
     if ann.annotator == "scripted":
         return ScriptedAnnotator(goal=ann.goal), None
     server = None
     if ann.llm_url:
-        url, model = ann.llm_url[0], ann.llm_model
-        if not model:
-            raise ValueError("--llm-url needs --llm-model (the name the server lists at /v1/models)")
+        urls = list(ann.llm_url)
+        model = resolve_model(urls, ann.llm_model, api_key=ann.llm_api_key)
         prompt = "tagged" if ann.llm_prompt == "auto" else ann.llm_prompt
     else:
-        from ..serve import DEFAULT_MODEL, start_embedded_server
+        from ..serve import DEFAULT_MODEL, start_embedded_process, start_embedded_server
 
-        # One thread: the model answers in the background and must not take the learner's cores.
-        server = start_embedded_server(model=ann.llm_model or DEFAULT_MODEL, threads=1)
-        url, model = server.url, server.model
+        name, threads = ann.llm_model or DEFAULT_MODEL, ann.embedded_threads or 1
+        if ann.embedded_server == "process":
+            log.info("starting the embedded LLM %s (a minute or two the first time) ...", name)
+            server = start_embedded_process(name, threads=threads)
+        else:
+            server = start_embedded_server(model=name, threads=threads)
+        urls, model = [server.url], server.model
         prompt = "short" if ann.llm_prompt == "auto" else ann.llm_prompt
     small = prompt == "short"
     try:
         annotator = OpenAIAnnotator(
-            url, model, goal=ann.goal, prompt=prompt, use_logprobs=small,
+            urls, model, goal=ann.goal, prompt=prompt, use_logprobs=small,
             ranking="scores" if small else "direct", batch_size=ann.llm_batch_size,
-            max_concurrency=ann.llm_concurrency,
+            max_concurrency=ann.llm_concurrency, timeout_s=ann.llm_timeout, api_key=ann.llm_api_key,
         )
         _check_llm(annotator)
     except BaseException:
@@ -150,6 +145,8 @@ class IntrinsicRewardHook:
         self.rm_last: Dict[str, float] = {}
         self._window = _RewardWindow()
         self._closed = False
+        self._started = self._last_alert = time.monotonic()
+        self._final_health: Optional[str] = None
         annotator = None
         try:
             device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
@@ -158,12 +155,10 @@ class IntrinsicRewardHook:
                 self._open_store()
                 from ..annotation import LLMAnnotationTransform
 
-                # ranking needs preferences only: without the wrapper the worker would label every caption first
-                worker_store = self.store if self.spec.labels else _PairsOnlyStore(self.store)
                 self.annotation = LLMAnnotationTransform(
-                    worker_store, annotator, batch_size=cfg.annotation.llm_batch_size,
-                    max_concurrency=cfg.annotation.llm_concurrency, pairs=self.spec.pairs,
-                    close_annotator=True, poll_interval_s=0.5,
+                    self.store, annotator, batch_size=cfg.annotation.llm_batch_size,
+                    max_concurrency=cfg.annotation.llm_concurrency, captions=self.spec.labels,
+                    pairs=self.spec.pairs, close_annotator=True, poll_interval_s=0.5,
                 )
             rm = cfg.reward_model
             fraction = rm.time_fraction
@@ -237,7 +232,9 @@ class IntrinsicRewardHook:
         if self.annotation is not None:
             a = self.annotation.metrics()
             for key in ("labels_per_s", "labels_total", "preferences_total", "pending", "queue_depth",
-                        "coverage", "parse_failures", "server_errors", "latency_s"):
+                        "coverage", "parse_failures", "server_errors", "latency_s", "requests_sent",
+                        "requests_unsent", "timeouts", "connection_errors", "caption_server_failures",
+                        "requeued_total", "given_up", "timeout_s", "request_batch", "servers_up"):
                 if key in a:
                     out[f"annotation/{key}"] = float(a[key])
         if self.rm_trainer is not None:
@@ -255,6 +252,43 @@ class IntrinsicRewardHook:
         self._window.write_top(os.path.join(self.run_dir, TOP_MESSAGES_NAME), self.kind)
         self._window.reset()
         return out
+
+    # ------------------------------------------------------------------ saying it loudly
+    def alert(self, metrics: Dict[str, float]) -> Optional[str]:
+        """A warning line, at most once a minute, while label coverage stays near zero after
+        the first minute (with the cause), else None. The trainer prints it above its progress bar."""
+        if self.annotation is None:
+            return None
+        now = time.monotonic()
+        coverage = self._coverage(metrics)
+        if now - self._started < COVERAGE_GRACE_S or coverage >= LOW_COVERAGE or now - self._last_alert < ALERT_EVERY_S:
+            return None
+        self._last_alert = now
+        what = "of steps have a labelled caption" if self.spec.labels else "of queued pairs are labelled"
+        return (f"intrinsic reward: only {coverage:.1%} {what} after {now - self._started:.0f} s; "
+                f"annotation: {self.annotation.health()}")
+
+    def _coverage(self, metrics: Dict[str, float]) -> float:
+        """Share of steps whose caption is labelled (pairs-only types: share of pairs labelled)."""
+        if self.spec.labels:
+            return metrics.get("labels/seen_coverage", 0.0)
+        pairs = metrics.get("labels/pairs", 0)
+        return metrics.get("labels/pairs_labelled", 0) / pairs if pairs else 0.0
+
+    def final_warnings(self, metrics: Dict[str, float]) -> List[str]:
+        """Lines the run's summary must show when ONI did (almost) nothing."""
+        if self.annotation is None:
+            return []
+        coverage = self._coverage(metrics)
+        if coverage >= FINAL_COVERAGE_WARNING:
+            return []
+        if self.spec.labels:
+            done, total, unit = metrics.get("labels/labelled", 0), metrics.get("labels/captions", 0), "captions"
+        else:
+            done, total, unit = metrics.get("labels/pairs_labelled", 0), metrics.get("labels/pairs", 0), "pairs"
+        health = self._final_health or self.annotation.health(window_s=float("inf"))
+        return [f"ONI barely ran: {int(done):,} of {int(total):,} {unit} labelled ({coverage:.1%}), so the "
+                f"intrinsic reward was mostly 0. Annotation: {health}"]
 
     def _stateful(self) -> Dict[str, object]:
         objects = dict(self.parts.stateful or {})
@@ -290,6 +324,7 @@ class IntrinsicRewardHook:
             if self.parts is not None and self.parts.close is not None:
                 self.parts.close()
             if self.annotation is not None:
+                self._final_health = self.annotation.health(window_s=float("inf"))
                 self.annotation.close()
             if save:
                 self.save_store()
