@@ -73,6 +73,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
+from nle import nethack
 
 from .atomic import atomic_write
 from .captions import decode_message, hash_bytes
@@ -90,7 +91,6 @@ APPROVED = 0.5  # a label above this is "approved" (as benchmarks/learning_check
 TTY_KEYS = ("tty_chars", "tty_colors", "tty_cursor")
 STAT_KEYS = ("return", "length", "max_dlvl", "xlvl", "gold", "score", "kills", "scout")
 END_NAMES = {-1: "timeout", 0: "running", 1: "death", 2: "success"}
-_BL_SCORE, _BL_DEPTH = 9, 12  # NLE blstats indices
 _EMPTY_HASH = hash_bytes(b"")
 
 
@@ -342,8 +342,8 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
         messages = obs.get("message")
         for i in rows:
             if blstats[i].any():  # NetHack zeroes blstats once the game is over
-                last_score[i] = blstats[i, _BL_SCORE]
-                max_depth[i] = max(max_depth[i], blstats[i, _BL_DEPTH])
+                last_score[i] = blstats[i, nethack.NLE_BL_SCORE]
+                max_depth[i] = max(max_depth[i], blstats[i, nethack.NLE_BL_DEPTH])
             h = int(hashes[i])
             if h != _EMPTY_HASH:
                 sightings[h] += 1

@@ -35,12 +35,18 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs.transforms import Transform
 
 from torchrl_oni.annotation import LLMAnnotationTransform
-from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_messages
+from torchrl_oni.captions import (
+    CAPTION_HASH_KEY,
+    INTRINSIC_REWARD_KEY,
+    MESSAGE_KEY,
+    MESSAGE_LEN,
+    MSG_COUNT_KEY,
+    hash_messages,
+)
 from torchrl_oni.rewards.scaling import RunningMeanStd, count_scale, threshold as threshold_values
 
 __all__ = ["IntrinsicRewardTransform", "LLMAnnotationTransform", "CombineRewards", "INTRINSIC_REWARD_KEY"]
 
-INTRINSIC_REWARD_KEY = "intrinsic_reward"
 _MESSAGE_CHOICES = ("acted", "next")
 
 RewardSource = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

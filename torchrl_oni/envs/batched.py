@@ -59,8 +59,7 @@ from .tasks import ONITask, make_task, resolve_task
 __all__ = ["NLEBatchEnv", "GlyphWindows", "EPISODE_STATS", "OFF_MAP_GLYPH"]
 
 EPISODE_STATS = ("return", "length", "dlvl", "xlvl", "gold", "scout", "kills", "end_status", "success")
-_BL_X, _BL_Y, _BL_DEPTH, _BL_GOLD, _BL_XLVL = 0, 1, 12, 13, 18
-_EPISODE_BLSTATS = [_BL_DEPTH, _BL_XLVL, _BL_GOLD]
+_EPISODE_BLSTATS = [nethack.NLE_BL_DEPTH, nethack.NLE_BL_XP, nethack.NLE_BL_GOLD]
 _MAP_H, _MAP_W = 21, 79
 # root entries that ``step_mdp`` does not carry from one step to the next
 _NOT_CARRIED = frozenset(("next", "reward", "done", "terminated", "truncated", "_reset", "_step"))
@@ -237,22 +236,22 @@ class NLEBatchEnv(EnvBase):
             st["message"][ks] = buf["message"][ks]
             st["blstats"][ks] = blstats = buf["blstats"][ks]
             self._windows.interior[ks] = buf["glyphs"][ks]
-        st["crop"][ks] = self._windows.crop(ks, x=blstats[:, _BL_X], y=blstats[:, _BL_Y])
+        st["crop"][ks] = self._windows.crop(ks, x=blstats[:, nethack.NLE_BL_X], y=blstats[:, nethack.NLE_BL_Y])
 
     def _note_messages(self, st: dict, rows) -> None:
         """Per-episode message counts, caption hashes and game statistics of ``rows``."""
         counts, hashes, scout, kills, dead = [], [], [], [], []
         for i in rows:
-            game = self.games[i]
-            raw = game._prev_message
+            notes = self.games[i].step_notes()
+            raw = notes.message
             seen = self._counts[i]
             n = seen[raw] = seen.get(raw, 0) + 1
             counts.append(n)
             hashes.append(self._hash(raw))
-            scout.append(game._scout_total)
-            kills.append(game._kills)
-            if not game._in_game:
-                dead.append(i)
+            scout.append(notes.scout)
+            kills.append(notes.kills)
+            if not notes.in_game:
+                dead.append((i, notes.game_blstats))
         st["count"][rows] = counts
         st["hash"][rows] = hashes
         st["scout"][rows] = scout
@@ -260,8 +259,8 @@ class NLEBatchEnv(EnvBase):
         # after death NetHack zeroes blstats: the episode statistics use the last in-game ones
         game_blstats = st["game_blstats"]
         game_blstats[rows] = st["blstats"][rows]
-        for i in dead:
-            game_blstats[i] = self.games[i]._last_game_blstats
+        for i, last in dead:
+            game_blstats[i] = last
 
     def _to_tensordict(self, st: dict, extra: Optional[dict] = None) -> TensorDictBase:
         f = torch.from_numpy

@@ -31,6 +31,7 @@ from typing import Optional
 import gymnasium as gym
 import numpy as np
 import torch
+from nle import nethack
 from tensordict import TensorDictBase
 from torchrl.data import Unbounded
 from torchrl.envs import GymWrapper, TransformedEnv
@@ -63,7 +64,7 @@ class CopyingObservationWrapper(gym.ObservationWrapper):
     def observation(self, obs):
         self._windows.interior[0] = obs["glyphs"]
         blstats = obs["blstats"]
-        crop = self._windows.crop(self._game, x=blstats[0:1], y=blstats[1:2])[0]
+        crop = self._windows.crop(self._game, x=blstats[nethack.NLE_BL_X:nethack.NLE_BL_X + 1], y=blstats[nethack.NLE_BL_Y:nethack.NLE_BL_Y + 1])[0]
         return {
             MESSAGE_KEY: obs["message"].copy(),
             "blstats": obs["blstats"].astype(np.int64),

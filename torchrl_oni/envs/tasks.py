@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import gymnasium as gym
 import numpy as np
@@ -360,6 +360,12 @@ class ONITask(nle_base.NLE):
         self._level = level
         self._scout_tick = 0
 
+    def step_notes(self) -> "StepNotes":
+        """What a batched env reads from the game after each step (one call instead of reaching
+        into this class's bookkeeping)."""
+        return StepNotes(self._prev_message, self._scout_total, self._kills, self._in_game,
+                         self._last_game_blstats)
+
     def _episode_info(self) -> dict:
         bl = self._last_game_blstats
         return {
@@ -369,6 +375,16 @@ class ONITask(nle_base.NLE):
             "scout": int(self._scout_total),
             "kills": int(self._kills),
         }
+
+
+class StepNotes(NamedTuple):
+    """A game's bookkeeping after a step (:meth:`ONITask.step_notes`)."""
+
+    message: bytes  # the current message, NUL-stripped
+    scout: int  # map tiles seen this episode, over all levels
+    kills: int  # "You kill ..." messages this episode
+    in_game: bool  # False once NetHack has ended the game (death, quit)
+    game_blstats: np.ndarray  # the last blstats while in game (NetHack zeroes them at the end)
 
 
 def score_reward(prev_blstats, blstats, in_game: bool) -> float:

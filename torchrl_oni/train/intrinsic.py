@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from ..atomic import atomic_write
 from ..captions import MESSAGE_LEN, decode_message
 from .config import TrainConfig
 
@@ -400,11 +401,9 @@ class _RewardWindow:
         for paid, steps, raw, msg in ranked:
             text = decode_message(np.frombuffer(msg, dtype=np.uint8)) or "<empty>"
             lines.append(f"{paid:.4f}\t{steps}\t{raw:.4f}\t{text}")
-        tmp = path + ".tmp"
+        text = ("\n".join(lines) + "\n").encode("utf-8")
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write("\n".join(lines) + "\n")
-            os.replace(tmp, path)
+            atomic_write(path, lambda f: f.write(text))
         except OSError as err:  # logging must never stop training
             log.warning("cannot write %s: %s", path, err)
 

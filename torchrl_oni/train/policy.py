@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+from nle import nethack
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torchrl.modules import GRUModule, LSTMModule, ProbabilisticActor
@@ -51,11 +52,14 @@ ARCHS = ("light",) + RECURRENT_ARCHS
 
 # blstats scaling after ONI §5.1 (index: scale); unlisted stats (score, depth, monster level,
 # dungeon number/level, condition, alignment) are scaled to 0. Clipped to ±5 after scaling.
-_SCALES = {0: 1 / 79, 1: 1 / 21, 10: 1 / 10, 11: 1 / 10, 13: 1 / 1000, 14: 1 / 10, 15: 1 / 10,
-           16: 1 / 10, 18: 1 / 10, 19: 1 / 100, 20: 1 / 1000, 21: 1.0, 22: 1 / 10}
-_SCALES.update({i: 1 / 10 for i in range(2, 9)})  # strength..charisma
-BLSTATS_SCALE = torch.tensor([_SCALES.get(i, 0.0) for i in range(27)], dtype=torch.float32)
-assert BLSTATS_SCALE.numel() == 27
+_SCALES = {
+    nethack.NLE_BL_X: 1 / 79, nethack.NLE_BL_Y: 1 / 21, nethack.NLE_BL_HP: 1 / 10, nethack.NLE_BL_HPMAX: 1 / 10,
+    nethack.NLE_BL_GOLD: 1 / 1000, nethack.NLE_BL_ENE: 1 / 10, nethack.NLE_BL_ENEMAX: 1 / 10, nethack.NLE_BL_AC: 1 / 10,
+    nethack.NLE_BL_XP: 1 / 10, nethack.NLE_BL_EXP: 1 / 100, nethack.NLE_BL_TIME: 1 / 1000,
+    nethack.NLE_BL_HUNGER: 1.0, nethack.NLE_BL_CAP: 1 / 10,
+}
+_SCALES.update({i: 1 / 10 for i in range(nethack.NLE_BL_STR25, nethack.NLE_BL_CHA + 1)})  # strength..charisma
+BLSTATS_SCALE = torch.tensor([_SCALES.get(i, 0.0) for i in range(nethack.NLE_BLSTATS_SIZE)], dtype=torch.float32)
 
 
 def scale_blstats(blstats: torch.Tensor) -> torch.Tensor:
