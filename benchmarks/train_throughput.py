@@ -42,12 +42,12 @@ class _TimeLimit:
             trainer.cfg.frames = trainer.frames
 
 
-def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light") -> dict:
+def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light", device: str = "auto") -> dict:
     from torchrl_oni.train import TrainConfig, Trainer
     from torchrl_oni.train.logging import read_metrics
 
     logdir = tempfile.mkdtemp(prefix="oni-bench-")
-    cfg = TrainConfig(frames=10**9, workers=workers, envs_per_worker=envs, rollout=rollout, arch=arch,
+    cfg = TrainConfig(frames=10**9, workers=workers, envs_per_worker=envs, rollout=rollout, arch=arch, device=device,
                       logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9,
                       minibatch_size=max(envs * rollout, 256))
     trainer = Trainer(cfg, hooks=[_TimeLimit(seconds)])
@@ -73,16 +73,21 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--envs", type=int, default=32, help="games per worker (default 32)")
     p.add_argument("--rollout", type=int, default=32)
+    p.add_argument("--arch", default="light", help="policy network: light, oni (GRU), oni-lstm")
+    p.add_argument("--device", default="auto", help="learner device (auto: cuda when there is one)")
     p.add_argument("--no-baseline", action="store_true")
     args = p.parse_args(argv)
     share = args.seconds if args.no_baseline else args.seconds * 0.65
-    main_run = run(share, args.workers, args.envs, args.rollout)
+    main_run = run(share, args.workers, args.envs, args.rollout, args.arch, args.device)
     rows = [(f"batched: {args.workers} workers x {args.envs} games", main_run)]
     base = None
     if not args.no_baseline:
-        base = run(args.seconds - share, args.workers, 1, args.rollout)
+        base = run(args.seconds - share, args.workers, 1, args.rollout, args.arch, args.device)
         rows.append((f"baseline: {args.workers} workers x 1 game", base))
-    print(f"\nPPO end to end, light policy, {os.cpu_count()} cores, rollout {args.rollout}")
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    print(f"\nPPO end to end, {args.arch} policy, {os.cpu_count()} cores, learner on {device}, rollout {args.rollout}")
     print(f"{'configuration':<40} {'frames/s':>10} {'incl. start':>12} {'waiting for data':>17}")
     for name, r in rows:
         print(f"{name:<40} {r['fps']:>10,.0f} {r['fps_incl_startup']:>12,.0f} {r['collect_fraction']:>17.0%}")
@@ -92,6 +97,8 @@ def main(argv=None):
         "learn_fraction": round(1 - main_run["collect_fraction"], 3),
         "workers": args.workers,
         "envs_per_worker": args.envs,
+        "arch": args.arch,
+        "fps_per_core": round(main_run["fps"] / (os.cpu_count() or 1)),
     }
     if base:
         out["baseline_fps"] = round(base["fps"])

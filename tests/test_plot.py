@@ -131,3 +131,114 @@ def test_plot_runs_raises_plot_error(tmp_path):
         plot_runs([tmp_path / "nope"], tmp_path / "x.png")
     with pytest.raises(PlotError, match="at least one"):
         plot_runs([], tmp_path / "x.png")
+
+
+# ---------------------------------------------------------------------- seed bands (--group)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182}  # Student's t, 97.5 % quantile, from printed tables
+
+
+def _write_linear_run(folder, slope, intercept, frames, column="episode/return"):
+    """A run whose ``column`` is exactly ``slope · frames + intercept`` at the logged ``frames``."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "metrics.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["frames", "time_s", column])
+        for x in frames:
+            writer.writerow([x, x / 1000.0, slope * x + intercept])
+    return folder
+
+
+def _band_collections(ax):
+    from matplotlib.collections import PolyCollection
+
+    return [c for c in ax.collections if isinstance(c, PolyCollection)]
+
+
+def test_group_draws_the_mean_and_a_95ci_band_that_match_a_reference(tmp_path):
+    # three seeds logging at different frames and over different ranges; linear curves make
+    # linear interpolation exact, so the reference is analytic, not another np.interp
+    lines = [(0.002, 1.0), (0.001, 3.0), (0.004, -2.0)]
+    logged = [np.arange(512, 8193, 512), np.arange(300, 9001, 700), np.arange(1000, 7001, 250)]
+    runs = [_write_linear_run(tmp_path / "exp" / "retrieval" / f"seed{i}", a, b, f)
+            for i, ((a, b), f) in enumerate(zip(lines, logged))]
+    other = _write_linear_run(tmp_path / "exp" / "none" / "seed0", 0.0, 5.0, np.arange(512, 8193, 512))
+    fig = make_figure(runs + [other], group=True)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["retrieval (3 runs)", "none (1 run)"]
+    assert len(ax.lines) == 2
+    bands = _band_collections(ax)
+    assert len(bands) == 1  # the one-run group has no band
+
+    start, stop = max(f[0] for f in logged), min(f[-1] for f in logged)
+    grid = np.unique(np.concatenate([f[(f >= start) & (f <= stop)] for f in logged])).astype(float)
+    values = np.array([[a * x + b for x in grid] for a, b in lines])
+    mean = values.mean(axis=0)
+    half = T975[2] * values.std(axis=0, ddof=1) / np.sqrt(3)
+
+    line = ax.lines[0]
+    np.testing.assert_allclose(line.get_xdata(), grid)
+    np.testing.assert_allclose(line.get_ydata(), mean, rtol=1e-9)
+    assert line.get_xdata()[0] == 1000 and line.get_xdata()[-1] == 7000  # the range all three cover
+    vertices = bands[0].get_paths()[0].vertices
+    for xk, lo, hi in zip(grid, mean - half, mean + half):
+        ys = vertices[np.isclose(vertices[:, 0], xk), 1]
+        assert np.isclose(ys, lo, rtol=1e-3).any() and np.isclose(ys, hi, rtol=1e-3).any(), xk
+    # the lone run is drawn as it is
+    np.testing.assert_allclose(ax.lines[1].get_ydata(), np.full(16, 5.0))
+
+
+def test_seed_band_matches_a_reference_and_one_run_has_no_band(tmp_path, capsys):
+    frames = np.arange(1, 11) * 100.0
+    ys = [np.sin(frames / 100.0 + k) for k in range(4)]
+    band = plot.seed_band([(frames, y) for y in ys])
+    stacked = np.stack(ys)
+    np.testing.assert_allclose(band.mean, stacked.mean(axis=0))
+    np.testing.assert_allclose(band.hi - band.mean, T975[3] * stacked.std(axis=0, ddof=1) / 2.0, rtol=1e-4)
+    one = plot.seed_band([(frames, ys[0])])
+    assert one.n == 1 and np.array_equal(one.lo, one.hi)
+    with pytest.raises(PlotError, match="do not overlap"):
+        plot.seed_band([(np.array([0.0, 1.0]), np.zeros(2)), (np.array([2.0, 3.0]), np.zeros(2))])
+    early = _write_linear_run(tmp_path / "exp" / "a" / "seed0", 1.0, 0.0, [512, 1024])
+    late = _write_linear_run(tmp_path / "exp" / "a" / "seed1", 1.0, 0.0, [2048, 4096])
+    assert plot.main([str(early), str(late), "--group", "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "oni-plot: error: a (2 runs): the runs of a group do not overlap on the x axis"
+
+
+def test_without_group_runs_are_drawn_one_by_one(tmp_path):
+    runs = [_write_linear_run(tmp_path / "exp" / "retrieval" / f"seed{i}", 0.001 * i, 0.0, np.arange(512, 4097, 512))
+            for i in range(3)]
+    ax = make_figure(runs).axes[0]
+    assert len(ax.lines) == 3 and not _band_collections(ax)
+
+
+def test_group_by_regex_from_the_command_line(tmp_path, capsys):
+    for setting in ("ret", "none"):
+        for seed in range(2):
+            _write_linear_run(tmp_path / f"{setting}_s{seed}", 0.001 * (seed + 1), 0.0, np.arange(512, 4097, 512))
+    runs = sorted(str(p) for p in tmp_path.glob("*_s*"))
+    assert plot.group_runs(runs, by=r"(\w+)_s\d+$") == [("none", [0, 1]), ("ret", [2, 3])]
+    out = tmp_path / "bands.png"
+    assert plot.main(runs + ["--group-by", r"(\w+)_s\d+$", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    fig = make_figure(runs, group=r"(\w+)_s\d+$")
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["none (2 runs)", "ret (2 runs)"]
+    assert len(_band_collections(fig.axes[0])) == 2
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--group-by", r"seed(\d+)"], "does not match"),
+        (["--group-by", "(unclosed"], "is not a regular expression"),
+        (["--group", "--group-by", "x"], "not allowed with argument"),
+    ],
+)
+def test_group_errors_are_one_line(tmp_path, capsys, extra, expected):
+    run = _write_linear_run(tmp_path / "a" / "run", 0.001, 0.0, np.arange(512, 2049, 512))
+    assert plot.main([str(run)] + extra + ["-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("oni-plot: error:") and expected in err and len(err.splitlines()) == 1
+    with pytest.raises(PlotError, match="1 labels for 2 groups"):
+        other = _write_linear_run(tmp_path / "b" / "run", 0.001, 0.0, np.arange(512, 2049, 512))
+        make_figure([run, other], group=True, labels=["only one"])

@@ -19,10 +19,21 @@ average. Each run is one colour, named after its folder in a legend shared by al
 Figures are built with matplotlib's object API on the Agg canvas, so nothing needs a display
 and the pyplot state of a notebook is left alone.
 
+Seed bands. ``--group`` puts runs that share a parent folder (``exp/retrieval/seed0``,
+``exp/retrieval/seed1``: group ``retrieval``) into one curve; ``--group-by REGEX`` names a run's
+group by the regular expression's first capture group (or whole match) in its path instead. A
+group is drawn as the mean of its runs' curves with a shaded 95 % confidence band of that
+mean (Student's t over runs, :func:`seed_band`). Runs log at different frames, so each run's
+(smoothed) curve is interpolated linearly onto a common grid: every x at which any run of the
+group logged, within the range that **all** of them cover (no extrapolation: the band stops where
+the shortest run stops). A group of one run is its curve, without a band.
+
 Usage::
 
     oni-plot runs/retrieval runs/none -o curves.png --smooth 5
     oni-plot runs/oni --x time_s
+    oni-plot runs/staircase/*/seed* --group -o staircase.png     # one band per reward type
+    oni-plot runs/*/seed* --group-by '(\\w+)/seed\\d+$'
 
 A missing folder, a folder without ``metrics.csv`` or a run with nothing to plot ends with one
 ``oni-plot: error: ...`` line and exit status 2.
@@ -44,6 +55,7 @@ import argparse
 import csv
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +65,8 @@ import numpy as np
 
 from torchrl_oni.cli_errors import OneLineArgumentParser, report
 
-__all__ = ["PANELS", "Panel", "PlotError", "load_run", "make_figure", "plot_runs", "main"]
+__all__ = ["PANELS", "Panel", "PlotError", "Band", "load_run", "group_runs", "seed_band", "make_figure",
+           "plot_runs", "main"]
 
 PROG = "oni-plot"
 X_AXES = {"frames": "env frames", "time_s": "wall time (s)"}
@@ -194,6 +207,108 @@ def _labels(paths: Sequence[Path]) -> List[str]:
         depth += 1
 
 
+def _run_folder(path: Path) -> Path:
+    return path.parent if path.is_file() else path
+
+
+def group_runs(run_dirs: Sequence[Union[str, os.PathLike]],
+               by: Union[bool, str] = True) -> List[Tuple[str, List[int]]]:
+    """Groups runs for seed bands: ``[(group name, [indices into run_dirs]), ...]`` in order of first appearance.
+
+    Args:
+        run_dirs: run folders (or their ``metrics.csv`` paths).
+        by: ``True``: by parent folder (named by its folder name, with its own parents added where
+            two parents would share a name); a string: a regular expression searched in each run's
+            path (``/`` separators), whose first capture group, or else whole match, names the group.
+
+    Raises:
+        PlotError: the expression is invalid or does not match a run.
+
+    Example:
+        >>> from torchrl_oni.plot import group_runs
+        >>> runs = ["exp/retrieval/seed0", "exp/none/seed0", "exp/retrieval/seed1"]
+        >>> group_runs(runs)
+        [('retrieval', [0, 2]), ('none', [1])]
+        >>> group_runs(["a/s0", "b/s0", "a/s1"], by=r"^(\\w)/")
+        [('a', [0, 2]), ('b', [1])]
+    """
+    paths = [_run_folder(Path(r)) for r in run_dirs]
+    if by is True:
+        parents = [p.resolve().parent for p in paths]
+        distinct = list(dict.fromkeys(parents))
+        names = dict(zip(distinct, _labels(distinct)))
+        keys = [names[p] for p in parents]
+    else:
+        try:
+            pattern = re.compile(str(by))
+        except re.error as err:
+            raise PlotError(f"--group-by {by!r} is not a regular expression ({err})") from None
+        keys = []
+        for path in paths:
+            match = pattern.search(path.as_posix())
+            if match is None:
+                raise PlotError(f"--group-by {by!r} does not match {path.as_posix()}")
+            keys.append(match.group(1) if pattern.groups else match.group(0))
+    groups: Dict[str, List[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.items())
+
+
+@dataclass(frozen=True)
+class Band:
+    """The mean curve of several runs and its 95 % confidence band, on a common x grid.
+
+    ``lo``/``hi`` equal ``mean`` where there is one run (no spread to show).
+    """
+
+    x: np.ndarray
+    mean: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    n: int
+
+
+def seed_band(curves: Sequence[Tuple[np.ndarray, np.ndarray]]) -> Band:
+    """Mean and Student-t 95 % interval over runs of ``curves`` (``(x, y)`` pairs, x increasing).
+
+    The grid is every x of any curve inside the range all curves cover; each curve is
+    interpolated linearly onto it (:func:`numpy.interp`).
+
+    Raises:
+        PlotError: no curve, or curves whose x ranges do not overlap.
+
+    Example:
+        >>> import numpy as np
+        >>> from torchrl_oni.plot import seed_band
+        >>> band = seed_band([(np.array([0., 2., 4.]), np.array([0., 2., 4.])),
+        ...                   (np.array([0., 1., 3.]), np.array([2., 3., 5.]))])
+        >>> band.x.tolist(), band.mean.tolist(), band.n
+        ([0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], 2)
+        >>> (band.hi - band.mean).round(3).tolist()  # t(1) · std / sqrt(2), std = sqrt(2)
+        [12.706, 12.706, 12.706, 12.706]
+    """
+    curves = [(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)) for x, y in curves if len(x)]
+    if not curves:
+        raise PlotError("no data to average")
+    start = max(x[0] for x, _ in curves)
+    stop = min(x[-1] for x, _ in curves)
+    if start > stop:
+        raise PlotError("the runs of a group do not overlap on the x axis")
+    grid = np.unique(np.concatenate([x[(x >= start) & (x <= stop)] for x, _ in curves]))
+    values = np.stack([np.interp(grid, x, y) for x, y in curves])
+    mean = values.mean(axis=0)
+    n = len(curves)
+    if n < 2:
+        return Band(grid, mean, mean.copy(), mean.copy(), n)
+    # the t quantile lives with the evaluation statistics; imported here so that plain plots
+    # do not pay for torch (which torchrl_oni.evaluate imports)
+    from .evaluate import t_quantile_975
+
+    half = t_quantile_975(n - 1) * values.std(axis=0, ddof=1) / math.sqrt(n)
+    return Band(grid, mean, mean - half, mean + half, n)
+
+
 def make_figure(
     run_dirs: Sequence[Union[str, os.PathLike]],
     *,
@@ -202,16 +317,20 @@ def make_figure(
     labels: Optional[Sequence[str]] = None,
     title: Optional[str] = None,
     columns_per_row: int = 3,
+    group: Union[bool, str, None] = None,
 ):
     """Builds the learning-curve figure (a :class:`matplotlib.figure.Figure`, Agg canvas).
 
     Args:
         run_dirs: run folders (or ``metrics.csv`` paths).
         x: ``"frames"`` or ``"time_s"``.
-        smooth: trailing moving-average window in logged rows (1 = raw).
-        labels: legend names (default: the folder names).
+        smooth: trailing moving-average window in logged rows (1 = raw), applied to each run.
+        labels: legend names, one per run, or one per group when grouping (default: the folder
+            names, or the group names).
         title: figure title (default: none).
         columns_per_row: panels per row.
+        group: ``None``/``False``: one curve per run; ``True``: one mean curve with a 95 % band
+            per parent folder; a regular expression: per group it names (:func:`group_runs`).
 
     Raises:
         PlotError: for bad input (one readable sentence).
@@ -230,10 +349,16 @@ def make_figure(
     for path, data in zip(paths, runs):
         if x not in data:
             raise PlotError(f"{path} has no '{x}' column in {METRICS_FILE}")
+    if group is None or group is False:
+        groups = [(name, [i]) for i, name in enumerate(_labels([_run_folder(p) for p in paths]))]
+    else:
+        groups = [(f"{name} ({len(members)} run{'s' if len(members) > 1 else ''})", members)
+                  for name, members in group_runs(paths, group)]
     if labels is None:
-        labels = _labels([p.parent if p.is_file() else p for p in paths])
-    elif len(labels) != len(paths):
-        raise PlotError(f"{len(labels)} labels for {len(paths)} runs")
+        labels = [name for name, _ in groups]
+    elif len(labels) != len(groups):
+        what = "groups" if group not in (None, False) else "runs"
+        raise PlotError(f"{len(labels)} labels for {len(groups)} {what}")
 
     def has_data(panel: Panel) -> bool:
         for data in runs:
@@ -253,16 +378,29 @@ def make_figure(
     fig = Figure(figsize=(4.6 * n_cols, 3.4 * n_rows + 0.7), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(n_rows, n_cols, squeeze=False).ravel()
-    colours = [f"C{i % 10}" for i in range(len(runs))]
+    colours = [f"C{i % 10}" for i in range(len(groups))]
     for ax, panel in zip(axes, panels):
-        for data, colour in zip(runs, colours):
+        for (group_name, members), colour in zip(groups, colours):
             for name, style in zip(panel.columns, panel.styles * len(panel.columns)):
-                col = _column(data, name)
-                if col is None:
+                curves = []
+                for i in members:
+                    col = _column(runs[i], name)
+                    if col is not None:
+                        xs, ys = _series(runs[i], col, x, smooth)
+                        if xs.size:
+                            curves.append((xs, ys))
+                if not curves:
                     continue
-                xs, ys = _series(data, col, x, smooth)
-                if xs.size == 0:
-                    continue
+                if len(members) == 1:
+                    xs, ys = curves[0]
+                else:
+                    try:
+                        band = seed_band(curves)
+                    except PlotError as err:
+                        raise PlotError(f"{group_name}: {err}") from None
+                    xs, ys = band.x, band.mean
+                    if band.n > 1:
+                        ax.fill_between(xs, band.lo, band.hi, color=colour, alpha=0.2, linewidth=0)
                 marker = "o" if xs.size == 1 else None
                 ax.plot(xs, ys, linestyle=style, color=colour, marker=marker, linewidth=1.6)
         ax.set_title(panel.title)
@@ -278,9 +416,12 @@ def make_figure(
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=c, linewidth=2.5) for c in colours]
-    fig.legend(handles, list(labels), loc="outside lower center", ncols=min(len(runs), 4),
+    fig.legend(handles, list(labels), loc="outside lower center", ncols=min(len(groups), 4),
                frameon=False, fontsize="medium")
-    suffix = f" (moving average over {smooth} logs)" if smooth > 1 else ""
+    notes = [f"moving average over {smooth} logs"] if smooth > 1 else []
+    if group not in (None, False):
+        notes.append("mean over runs, shaded: 95 % CI")
+    suffix = f" ({'; '.join(notes)})" if notes else ""
     if title or suffix:
         fig.suptitle((title or "") + suffix, fontsize="medium")
     return fig
@@ -295,6 +436,7 @@ def plot_runs(
     labels: Optional[Sequence[str]] = None,
     title: Optional[str] = None,
     dpi: int = 110,
+    group: Union[bool, str, None] = None,
 ) -> Path:
     """Draws the learning curves of ``run_dirs`` side by side and saves them as a PNG.
 
@@ -303,17 +445,20 @@ def plot_runs(
         out_path: the PNG to write (its folder is created).
         x: ``"frames"`` or ``"time_s"``.
         smooth: trailing moving-average window in logged rows (1 = raw).
-        labels: legend names (default: the folder names).
+        labels: legend names (default: the folder names, or the group names).
         title: figure title.
         dpi: resolution.
+        group: ``True``: one mean curve with a 95 % band per parent folder; a regular
+            expression: per group it names (see :func:`group_runs`); ``None``: one curve per run.
 
     Returns:
         The path of the written PNG.
 
     Raises:
-        PlotError: for a missing folder, a folder without ``metrics.csv``, or nothing to plot.
+        PlotError: for a missing folder, a folder without ``metrics.csv``, a ``group``
+            expression that is invalid or does not match, or nothing to plot.
     """
-    fig = make_figure(run_dirs, x=x, smooth=smooth, labels=labels, title=title)
+    fig = make_figure(run_dirs, x=x, smooth=smooth, labels=labels, title=title, group=group)
     out = Path(out_path)
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -337,6 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--smooth", type=int, default=1,
                         help="moving-average window in logged rows (default: 1, no smoothing)")
     parser.add_argument("--title", default=None, help="figure title")
+    grouping = parser.add_mutually_exclusive_group()
+    grouping.add_argument("--group", action="store_true",
+                          help="one curve per parent folder (e.g. the seeds of one setting): the mean "
+                               "over its runs with a shaded 95 %% confidence band")
+    grouping.add_argument("--group-by", metavar="REGEX", default=None,
+                          help="like --group, but a run's group is the first capture group (or the "
+                               "match) of REGEX in its path, e.g. '(\\w+)/seed\\d+$'")
     return parser
 
 
@@ -347,7 +499,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as stop:  # argparse already printed its one line (or --help)
         return int(stop.code or 0)
     try:
-        out = plot_runs(args.runs, args.output, x=args.x, smooth=args.smooth, title=args.title)
+        group = args.group_by if args.group_by is not None else (True if args.group else None)
+        out = plot_runs(args.runs, args.output, x=args.x, smooth=args.smooth, title=args.title, group=group)
     except PlotError as err:
         return report(PROG, str(err))
     except OSError as err:  # -o is a folder, unwritable, disk full

@@ -1,0 +1,844 @@
+"""Sparse tasks and the reward-free setting: a grid of oni-train runs, evaluated, aggregated over seeds.
+
+The grid is tasks × intrinsic rewards × annotators × seeds. Every cell is one ``oni-train``
+process (the real command, run with this script's Python as ``python -m torchrl_oni.train``)
+with its own run folder ``ROOT/<task>/<setting>/seed<k>``, where the setting is
+``<reward>-<annotator>`` (``retrieval-llm``), ``none`` (no intrinsic reward: the annotator plays
+no part, so it is trained once) or ``random`` (``--random``: an untrained policy). Each finished
+run is then evaluated with ``oni-eval`` (``python -m torchrl_oni.evaluate``), which writes
+``eval.json`` into the run folder. The script then prints
+
+1. the evaluation table: per task × setting, the mean over seeds and the half-width of its
+   95 % confidence interval (Student's t over seeds) of the success rate, extrinsic return, deepest
+   dungeon level, experience level, in-game score and distinct approved captions per episode;
+2. the training-curve table: ``--curve-metrics`` (default the success rate over the last
+   ``--stats-window`` episodes that ``metrics.csv`` logs) at ``--budgets`` fractions of ``--frames``
+   (the logged row nearest to it, within one logging interval), with frames and wall time;
+3. one row per run (status, frames, training and evaluation wall time),
+
+and, as its last line, one JSON object with all of it. ``ROOT/<task>/curves.png`` shows the
+learning curves of each setting as the mean over seeds with a shaded 95 % band (``oni-plot
+--group``).
+
+Resumable. Run the same command again and it continues: a run whose ``eval.json`` is newer than
+its checkpoint and matches ``--episodes``/``--eval-extra`` is not touched; a trained run without
+one is only evaluated; a run with a checkpoint short of ``--frames`` (interrupted, or ``--frames``
+raised) is continued with ``oni-train --resume``. A run folder whose ``config.yaml`` differs from
+the flags (other than ``--frames`` and settings that do not change results: device, logging,
+server address) is refused with one line naming the differences: use another ``--root``. Ctrl-C,
+SIGTERM or SIGUSR1 are passed to the running ``oni-train`` processes, which save a checkpoint;
+``--dry-run`` lists every run, its state and the command it needs, and runs nothing.
+
+Configuration. There is no sweep syntax: the grid is a list of flag sets. ``--extra "FLAGS"``
+goes to every ``oni-train`` command; ``--extra-for KEY "FLAGS"`` only to runs of one reward type
+(``retrieval``), of every intrinsic reward (``intrinsic``), of ``none`` or of ``random``. The flags
+the grid sets (``--task``, ``--intrinsic-reward``, ``--annotator``, ``--seed``, ``--frames``,
+``--logdir``, ``--resume``) may not appear in them. ``--eval-extra`` goes to ``oni-eval``.
+
+Approved captions. Intrinsic runs are judged by their own caption store. ``none`` and ``random``
+runs have none, so they are evaluated with the store of the same task and seed of the first
+intrinsic reward and the first annotator of the grid (``oni-eval --caption-store``): the same
+labels, so the counts compare (captions that run never saw are not labelled, hence not approved).
+Those evaluations wait until that run's training is finished.
+
+The staircase experiment (ONI: extrinsic coefficient 10 on the sparse tasks)::
+
+    python benchmarks/sparse_tasks.py --root runs/sparse --tasks staircase staircase-lvl3 \\
+        --rewards none retrieval --annotators scripted llm --seeds 0 1 2 --frames 4M \\
+        --extra "--extrinsic-coeff 10 --workers 2" --episodes 100
+
+The reward-free setting (intrinsic only vs extrinsic only vs a random policy, on Score)::
+
+    python benchmarks/sparse_tasks.py --root runs/reward_free --tasks score --rewards retrieval none \\
+        --annotators llm --random --seeds 0 1 2 --frames 4M --extra "--workers 2" \\
+        --extra-for intrinsic "--extrinsic-coeff 0 --intrinsic-coeff 1" \\
+        --curve-metrics episode/dlvl episode/xlvl --episodes 100
+
+``--parallel N`` runs N commands at once (each ``oni-train`` uses ``--workers`` + 1 cores);
+``--seconds S`` starts no new command after S seconds (run again to go on). Exit status: 0 when
+every run is done or was left for later by ``--seconds``, 1 when a command failed (its log:
+``RUN/train.log``, ``RUN/eval.log``), 128 + the signal when interrupted, 2 for bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torchrl_oni.cli_errors import OneLineArgumentParser, report  # noqa: E402
+from torchrl_oni.config_tree import parse_count  # noqa: E402
+
+PROG = "sparse_tasks.py"
+TRAIN_MODULE, EVAL_MODULE = "torchrl_oni.train", "torchrl_oni.evaluate"
+TRAIN_LOG, EVAL_LOG = "train.log", "eval.log"
+NONE, RANDOM, INTRINSIC = "none", "random", "intrinsic"
+# flags the grid sets on every oni-train command (flat setting names)
+GRID_SETTINGS = ("task", "intrinsic_reward", "annotator", "seed", "frames", "logdir", "resume")
+# oni-eval flags the script sets
+EVAL_OWNED = ("--episodes", "-o", "--output", "--caption-store")
+# settings that may differ between a run folder's config.yaml and the flags without making it
+# another experiment: where things run, what is logged, the server's address, --frames (a run
+# with fewer frames is continued, one with more is kept as it is)
+NOT_COMPARED = {"frames", "device", "logdir", "resume", "progress", "tensorboard", "wandb", "wandb_mode",
+                "checkpoint_every", "llm_url", "llm_api_key", "llm_timeout", "llm_concurrency",
+                "embedded_server", "embedded_threads", "backend", "ray_address"}
+# eval.json statistics in the evaluation table: (key in the JSON rows, eval.json path, header)
+EVAL_METRICS = (
+    ("success", ("success_rate", "mean"), "success"),
+    ("return", ("return", "mean"), "return"),
+    ("max_dlvl", ("max_dlvl", "mean"), "max dlvl"),
+    ("xlvl", ("xlvl", "mean"), "xp level"),
+    ("score", ("score", "mean"), "score"),
+    ("approved_per_episode", ("messages", "approved_per_episode", "mean"), "approved/ep"),
+)
+
+
+class GridError(ValueError):
+    """Bad input: a flag, an oni-train/oni-eval flag set, a run folder of another configuration."""
+
+
+# ---------------------------------------------------------------------- the grid
+@dataclass
+class Run:
+    """One cell of the grid: its oni-train flags, its folder and, for none/random, whose labels judge it."""
+
+    task: str
+    reward: str  # an intrinsic reward type, "none" or "random"
+    annotator: Optional[str]
+    seed: int
+    logdir: Path
+    train_args: List[str]  # oni-train flags (random: the flags its untrained checkpoint is built from)
+    target_frames: int  # 0 for random
+    store_from: Optional["Run"] = None  # none/random: the run whose caption store labels its messages
+    config: object = None  # the resolved TrainConfig these flags give
+    status: str = ""
+    detail: str = ""
+    frames: Optional[int] = None
+    outcome: Optional[str] = None  # this invocation: done, failed, interrupted, waiting, not started
+
+    @property
+    def setting(self) -> str:
+        return self.reward if self.annotator is None else f"{self.reward}-{self.annotator}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}/{self.setting}/seed{self.seed}"
+
+    @property
+    def store(self) -> Optional[Path]:
+        """The caption store oni-eval is given (None: the run's own, found by oni-eval)."""
+        from torchrl_oni.evaluate import CAPTION_STORE_NAME
+
+        return None if self.store_from is None else self.store_from.logdir / CAPTION_STORE_NAME
+
+
+def _split(flags: str, what: str) -> List[str]:
+    try:
+        return shlex.split(flags)
+    except ValueError as err:
+        raise GridError(f"{what} {flags!r}: {err}") from None
+
+
+def _grid_flags() -> Dict[str, str]:
+    """``{flag or alias: flat name}`` of the settings the grid sets."""
+    from torchrl_oni.train.config import TrainConfig
+
+    out = {}
+    for leaf in TrainConfig.settings():
+        if leaf.flat in GRID_SETTINGS:
+            for flag in (leaf.flag, *leaf.aliases):
+                out[flag] = leaf.flat
+    return out
+
+
+def _check_not_owned(tokens: Sequence[str], owned, what: str) -> None:
+    for token in tokens:
+        flag = token.split("=", 1)[0]
+        if flag in owned:
+            raise GridError(f"{what} may not set {flag}: the grid sets it for every run")
+
+
+def build_grid(args) -> List[Run]:
+    """Every run of the grid, intrinsic runs first (none/random evaluations use their stores)."""
+    from torchrl_oni.train.config import intrinsic_rewards
+
+    known = intrinsic_rewards()
+    for reward in args.rewards:
+        if reward not in known:
+            raise GridError(f"--rewards: unknown reward {reward!r} (choose from {', '.join(known)})")
+    owned = _grid_flags()
+    extra = _split(args.extra, "--extra")
+    _check_not_owned(extra, owned, "--extra")
+    extra_for: Dict[str, List[str]] = {}
+    for key, flags in args.extra_for:
+        if key not in known + (INTRINSIC, RANDOM):
+            raise GridError(f"--extra-for: unknown key {key!r} (a reward type, {INTRINSIC!r} or {RANDOM!r})")
+        tokens = _split(flags, f"--extra-for {key}")
+        _check_not_owned(tokens, owned, f"--extra-for {key}")
+        extra_for.setdefault(key, []).extend(tokens)
+
+    def flags_for(reward: str) -> List[str]:
+        out = ["--no-progress", *extra]
+        for key, tokens in extra_for.items():
+            if key == reward or (key == INTRINSIC and reward not in (NONE, RANDOM)):
+                out += tokens
+        return out
+
+    intrinsic = [r for r in dict.fromkeys(args.rewards) if r != NONE]
+    settings = [(r, a) for r in intrinsic for a in dict.fromkeys(args.annotators)]
+    if NONE in args.rewards:
+        settings.append((NONE, None))
+    if args.random:
+        settings.append((RANDOM, None))
+    root = Path(args.root)
+    runs: List[Run] = []
+    for task in dict.fromkeys(args.tasks):
+        for seed in dict.fromkeys(args.seeds):
+            source = None
+            for reward, annotator in settings:
+                setting = reward if annotator is None else f"{reward}-{annotator}"
+                logdir = root / task / setting / f"seed{seed}"
+                argv = flags_for(reward) + ["--task", task, "--intrinsic-reward", NONE if reward == RANDOM else reward]
+                if annotator is not None:
+                    argv += ["--annotator", annotator]
+                argv += ["--seed", str(seed), "--frames", str(args.frames), "--logdir", str(logdir)]
+                run = Run(task, reward, annotator, seed, logdir, argv, 0 if reward == RANDOM else args.frames)
+                if annotator is not None and source is None:
+                    source = run  # the first intrinsic reward with the first annotator
+                elif annotator is None:
+                    run.store_from = source
+                runs.append(run)
+    return runs
+
+
+def parse_train_flags(run: Run):
+    """The resolved, validated TrainConfig that ``oni-train`` would run with ``run``'s flags."""
+    from torchrl_oni.train.cli import parse_command
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            cfg, _ = parse_command(list(run.train_args))
+        cfg = cfg.resolved()
+        cfg.validate()
+    except SystemExit:
+        message = err.getvalue().strip().replace("oni-train: error: ", "")
+        raise GridError(f"{run.name}: oni-train refuses its flags: {message}") from None
+    except (ValueError, TypeError) as error:
+        raise GridError(f"{run.name}: oni-train refuses its flags: {error}") from None
+    return cfg
+
+
+def parse_eval_flags(args) -> argparse.Namespace:
+    """``oni-eval``'s parsed flags for ``--episodes`` and ``--eval-extra`` (checked once for all runs)."""
+    from torchrl_oni.evaluate import build_parser
+
+    tokens = _split(args.eval_extra, "--eval-extra")
+    _check_not_owned(tokens, EVAL_OWNED, "--eval-extra")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return build_parser().parse_args(["RUN", "--episodes", str(args.episodes), *tokens])
+    except SystemExit:
+        message = err.getvalue().strip().replace("oni-eval: error: ", "")
+        raise GridError(f"--eval-extra: oni-eval refuses it: {message}") from None
+
+
+def eval_command(run: Run, args) -> List[str]:
+    """``oni-eval`` flags for ``run`` (its folder first)."""
+    argv = [str(run.logdir), "--episodes", str(args.episodes), "--no-progress", *_split(args.eval_extra, "--eval-extra")]
+    if run.store is not None:
+        argv += ["--caption-store", str(run.store)]
+    return argv
+
+
+# ---------------------------------------------------------------------- state of a run folder
+def config_differences(wanted, saved) -> List[str]:
+    """``--flag run-value -> wanted`` for every compared setting where two TrainConfigs differ."""
+    from torchrl_oni.train.config import TrainConfig
+
+    out = []
+    for leaf in TrainConfig.settings():
+        if leaf.flat in NOT_COMPARED or leaf.secret:
+            continue
+        have, want = leaf.get(saved), leaf.get(wanted)
+        if have != want:
+            out.append(f"{leaf.flag} {have!r} -> {want!r}")
+    return out
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return math.inf
+
+
+def eval_is_current(run: Run, eval_args: argparse.Namespace) -> bool:
+    """Whether ``RUN/eval.json`` evaluates the run's current checkpoint as the flags ask."""
+    from torchrl_oni.evaluate import EVAL_NAME
+    from torchrl_oni.train.checkpoint import CHECKPOINT_NAME
+
+    path = run.logdir / EVAL_NAME
+    result = _read_json(path)
+    if result is None:
+        return False
+    wanted = {"episodes": eval_args.episodes, "seed": eval_args.seed,
+              "policy": "greedy" if eval_args.greedy else "sampling"}
+    if eval_args.max_episode_steps is not None:
+        wanted["max_episode_steps"] = eval_args.max_episode_steps
+    if any(result.get(k) != v for k, v in wanted.items()):
+        return False
+    if (result.get("frames_trained") or 0) < run.target_frames:
+        return False
+    written = _mtime(path)
+    newer = [run.logdir / CHECKPOINT_NAME]
+    if run.store is not None:
+        if result.get("caption_store") != str(run.store):
+            return False
+        newer.append(run.store)
+    # a checkpoint (or labels) rewritten after the evaluation: it judged another policy
+    return all(_mtime(p) <= written for p in newer if p.exists())
+
+
+def inspect_run(run: Run, eval_args: argparse.Namespace) -> tuple:
+    """``(state, detail, frames)`` of a run folder; state is done, eval, resume, train (create
+    for random) or conflict. Reads the folder only."""
+    from torchrl_oni.evaluate import EVAL_NAME
+    from torchrl_oni.train.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
+    from torchrl_oni.train.config import CONFIG_NAME, TrainConfig
+
+    config_file = run.logdir / CONFIG_NAME
+    checkpoint = run.logdir / CHECKPOINT_NAME
+    if config_file.exists():
+        import yaml
+
+        try:
+            saved = TrainConfig.from_dict(yaml.safe_load(config_file.read_text()) or {}, strict=False)
+        except Exception as err:  # unreadable YAML or a setting of an unknown type: not ours to overwrite
+            return "conflict", f"unreadable {CONFIG_NAME} ({type(err).__name__})", None
+        diffs = config_differences(run.config, saved)
+        if diffs:
+            return "conflict", "; ".join(diffs), None
+    elif checkpoint.exists():
+        return "conflict", f"a checkpoint without {CONFIG_NAME}: not written by this grid", None
+    if eval_is_current(run, eval_args):
+        return "done", "", int(_read_json(run.logdir / EVAL_NAME)["frames_trained"])
+    if not checkpoint.exists():
+        return ("create" if run.reward == RANDOM else "train"), "", None
+    try:
+        frames = int(load_checkpoint(str(checkpoint))["frames"])
+    except (CheckpointError, KeyError, TypeError, ValueError) as err:
+        return "conflict", f"unreadable checkpoint ({err})", None
+    if frames < run.target_frames:
+        return "resume", f"from {frames:,} frames", frames
+    return "eval", "", frames
+
+
+def update_status(run: Run, eval_args: argparse.Namespace) -> str:
+    """Sets ``run.status``, ``run.detail`` and ``run.frames`` from its folder (:func:`inspect_run`)."""
+    run.status, run.detail, run.frames = inspect_run(run, eval_args)
+    return run.status
+
+
+# ---------------------------------------------------------------------- running
+class Launcher:
+    """Runs oni-train/oni-eval commands, one per pool thread; passes stop signals on to them."""
+
+    def __init__(self, parallel: int, seconds: Optional[float]):
+        self.parallel = parallel
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.lock = threading.RLock()  # RLock: the signal handler may run while this thread holds it
+        self.procs: set = set()
+        self.stopped_by: Optional[int] = None
+        self.launched = {"train": 0, "resume": 0, "eval": 0, "create": 0}
+
+    def may_start(self) -> bool:
+        return self.stopped_by is None and (self.deadline is None or time.monotonic() < self.deadline)
+
+    def stop(self, signum: int) -> None:
+        with self.lock:
+            first = self.stopped_by is None
+            self.stopped_by = self.stopped_by or signum
+            procs = list(self.procs)
+        for proc in procs:  # they run in sessions of their own: the terminal's Ctrl-C reaches only us
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+        if first:
+            say(f"{signal.Signals(signum).name}: stopping; {len(procs)} running command(s) save and exit "
+                "(run the same command again to continue)")
+
+    def run(self, kind: str, module: str, argv: List[str], log_path: Path) -> int:
+        cmd = [sys.executable, "-m", module, *argv]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(f"\n$ {display_command(module, argv)}    # {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            log.flush()
+            with self.lock:
+                if self.stopped_by is not None:
+                    return 128 + self.stopped_by
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, env=_child_env())
+                self.procs.add(proc)
+                self.launched[kind] += 1
+            try:
+                return proc.wait()
+            finally:
+                with self.lock:
+                    self.procs.discard(proc)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _child_env() -> Dict[str, str]:
+    """This environment, with this checkout importable (as the script itself imports it)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def display_command(module: str, argv: Sequence[str]) -> str:
+    return shlex.join(["oni-train" if module == TRAIN_MODULE else "oni-eval", *argv])
+
+
+_print_lock = threading.RLock()  # reentrant: a signal handler may print while the main thread does
+
+
+def say(line: str) -> None:
+    """Progress goes to stderr: stdout holds the tables and the JSON line."""
+    with _print_lock:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def create_untrained(run: Run) -> None:
+    """The random policy: a freshly initialised checkpoint (``Trainer(cfg).save()``), no training."""
+    from torchrl_oni.train import Trainer
+    from torchrl_oni.train.ppo import write_config
+
+    trainer = Trainer(run.config)  # the networks exactly as the run would start, from its seed
+    write_config(trainer.cfg, str(run.logdir))
+    trainer.save()
+
+
+def execute(run: Run, launcher: Launcher, args, eval_args, final: bool) -> None:
+    """Trains (or resumes) ``run`` if needed, then evaluates it once its caption store's run is trained.
+
+    Sets ``run.outcome``; with ``final=False`` an evaluation that must wait is left for later.
+    """
+    if not launcher.may_start():
+        run.outcome = "not started"
+        return
+    if run.status in ("train", "resume"):
+        argv = run.train_args + (["--resume"] if run.status == "resume" else [])
+        say(f"{run.name}: {'continuing' if run.status == 'resume' else 'training'} ({run.target_frames:,} frames)")
+        rc = launcher.run(run.status, TRAIN_MODULE, argv, run.logdir / TRAIN_LOG)
+        if rc != 0:
+            run.outcome = "interrupted" if rc >= 128 or rc < 0 else "failed"
+            say(f"{run.name}: oni-train {run.outcome} (exit {rc}); see {run.logdir / TRAIN_LOG}")
+            return
+        run.status = "eval"
+    if run.status != "eval":
+        return
+    if run.store_from is not None and inspect_run(run.store_from, eval_args)[0] not in ("done", "eval"):
+        run.outcome = "waiting"  # its labels are not final yet
+        if not final:
+            return
+        if not run.store.exists():
+            run.outcome = "failed"
+            say(f"{run.name}: not evaluated: {run.store_from.name} has no caption store to judge it by")
+            return
+        say(f"{run.name}: evaluated with the labels of {run.store_from.name}, whose training is not finished")
+    if not launcher.may_start():
+        run.outcome = "not started"
+        return
+    rc = launcher.run("eval", EVAL_MODULE, eval_command(run, args), run.logdir / EVAL_LOG)
+    if rc != 0:
+        run.outcome = "interrupted" if rc >= 128 or rc < 0 else "failed"
+        say(f"{run.name}: oni-eval {run.outcome} (exit {rc}); see {run.logdir / EVAL_LOG}")
+        return
+    run.outcome = "done"
+    say(f"{run.name}: evaluated")
+
+
+def run_pool(runs: List[Run], launcher: Launcher, args, eval_args, final: bool) -> None:
+    """Executes ``runs`` ``launcher.parallel`` at a time; returns when all are over."""
+    with ThreadPoolExecutor(max_workers=launcher.parallel, thread_name_prefix="grid") as pool:
+        futures = [pool.submit(execute, run, launcher, args, eval_args, final) for run in runs]
+        pending = set(futures)
+        while pending:  # short waits: signal handlers run in this thread between them
+            _, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+    for future in futures:
+        future.result()  # what went wrong in a thread (a full disk, a bug) is raised here
+
+
+@contextlib.contextmanager
+def forward_signals(launcher: Launcher):
+    """SIGINT/SIGTERM/SIGUSR1 stop new launches and reach the running commands."""
+    def handler(signum, frame):
+        launcher.stop(signum)
+
+    sigs = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+    previous = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+# ---------------------------------------------------------------------- results
+def _dig(data, path):
+    for key in path:
+        if not isinstance(data, dict) or data.get(key) is None:
+            return None
+        data = data[key]
+    return data
+
+
+def curve_value(rows: List[Dict[str, float]], metric: str, target: float) -> Optional[float]:
+    """``metric`` in the logged row nearest to ``target`` frames, if one lies within one logging interval.
+
+    Example:
+        >>> rows = [{"frames": 512.0 * i, "episode/success": i / 10} for i in range(1, 9)]
+        >>> curve_value(rows, "episode/success", 2048), curve_value(rows, "episode/success", 2100)
+        (0.4, 0.4)
+        >>> curve_value(rows, "episode/success", 8192) is None  # the run stopped at 4,096 frames
+        True
+    """
+    have = [(r["frames"], r[metric]) for r in rows
+            if "frames" in r and metric in r and math.isfinite(r[metric])]
+    if not have:
+        return None
+    frames = sorted(r["frames"] for r in rows if "frames" in r)
+    gaps = [b - a for a, b in zip(frames, frames[1:])]
+    tolerance = max(gaps) if gaps else frames[0]
+    x, value = min(have, key=lambda p: (abs(p[0] - target), p[0]))
+    return float(value) if abs(x - target) <= tolerance else None
+
+
+def collect_run(run: Run, args) -> dict:
+    """One run's numbers: eval.json statistics, curve values at the budgets, frames, wall times."""
+    from torchrl_oni.evaluate import EVAL_NAME
+    from torchrl_oni.train.logging import METRICS_NAME, MetricsFileError, read_metrics
+
+    out = {"task": run.task, "setting": run.setting, "reward": run.reward, "annotator": run.annotator,
+           "seed": run.seed, "logdir": str(run.logdir), "status": run.status, "frames": run.frames,
+           "train_time_s": None, "eval_time_s": None, "eval": {}, "curve": {}}
+    result = _read_json(run.logdir / EVAL_NAME) if run.status == "done" else None
+    if result is not None:
+        out["eval"] = {key: _dig(result, path) for key, path, _ in EVAL_METRICS}
+        out["eval_time_s"] = result.get("time_s")
+        out["caption_store"] = result.get("caption_store")
+    metrics = run.logdir / METRICS_NAME
+    if metrics.exists():
+        try:
+            rows = read_metrics(str(metrics))
+        except (MetricsFileError, OSError) as err:
+            say(f"{run.name}: cannot read metrics.csv ({err})")
+            rows = []
+        times = [r["time_s"] for r in rows if "time_s" in r]
+        out["train_time_s"] = times[-1] if times else None
+        out["curve"] = {metric: {budget_key(b): curve_value(rows, metric, b * args.frames) for b in args.budgets}
+                        for metric in args.curve_metrics}
+    return out
+
+
+def budget_key(fraction: float) -> str:
+    return f"{fraction:g}"
+
+
+def aggregate(per_run: List[dict], args) -> List[dict]:
+    """Per task × setting: mean and 95 % CI over the seeds whose run is done (:func:`mean_ci`)."""
+    from torchrl_oni.evaluate import mean_ci
+
+    groups: Dict[tuple, List[dict]] = {}
+    for r in per_run:
+        groups.setdefault((r["task"], r["setting"]), []).append(r)
+    rows = []
+    for (task, setting), members in groups.items():
+        done = [r for r in members if r["status"] == "done"]
+
+        def stat(values):
+            return mean_ci([v for v in values if v is not None])
+
+        row = {"task": task, "setting": setting, "reward": members[0]["reward"], "annotator": members[0]["annotator"],
+               "seeds": [r["seed"] for r in done], "runs": len(members),
+               "eval": {key: stat(r["eval"].get(key) for r in done) for key, _, _ in EVAL_METRICS},
+               "curve": {m: {budget_key(b): stat(r["curve"].get(m, {}).get(budget_key(b)) for r in done)
+                             for b in args.budgets} for m in args.curve_metrics},
+               "frames": stat(r["frames"] for r in done),
+               "train_time_s": stat(r["train_time_s"] for r in done),
+               "eval_time_s": stat(r["eval_time_s"] for r in done)}
+        rows.append(row)
+    return rows
+
+
+def _cell(s: dict, digits: int = 2) -> str:
+    """``mean ±half-width`` of a :func:`mean_ci` dict (``-`` without values, no ± for one seed)."""
+    if not s or s["n"] == 0:
+        return "-"
+    text = f"{s['mean']:,.{digits}f}"
+    if s["ci95"] is not None:
+        text += f" ±{(s['ci95'][1] - s['ci95'][0]) / 2:,.{digits}f}"
+    return text
+
+
+def format_tables(rows: List[dict], per_run: List[dict], args) -> str:
+    width = max([len("task / setting")] + [len(f"{r['task']} / {r['setting']}") for r in rows]) + 2
+    lines = [f"Evaluation: {args.episodes} episodes per run (oni-eval); mean over seeds ±half-width of its 95 % CI "
+             f"(Student's t); {args.frames:,} frames per run",
+             f"{'task / setting':<{width}}{'seeds':>6}" + "".join(f"{h:>16}" for _, _, h in EVAL_METRICS)]
+    for r in rows:
+        cells = "".join(f"{_cell(r['eval'][k], 1 if k == 'score' else (3 if k == 'success' else 2)):>16}"
+                        for k, _, _ in EVAL_METRICS)
+        lines.append(f"{r['task'] + ' / ' + r['setting']:<{width}}{len(r['seeds']):>3}/{r['runs']:<2}{cells}")
+    heads = [f"{m.split('/')[-1]}@{b:.0%}" for m in args.curve_metrics for b in args.budgets]
+    lines += ["", f"Training curve (metrics.csv: mean of the last --stats-window episodes) at a fraction of "
+                  f"{args.frames:,} frames; frames trained, wall time of training and evaluation",
+              f"{'task / setting':<{width}}" + "".join(f"{h:>16}" for h in heads)
+              + f"{'frames':>14}{'train s':>14}{'eval s':>10}"]
+    for r in rows:
+        cells = "".join(f"{_cell(r['curve'][m][budget_key(b)], 3):>16}" for m in args.curve_metrics for b in args.budgets)
+        frames = "-" if r["frames"]["n"] == 0 else f"{r['frames']['mean']:,.0f}"
+        train = "-" if r["train_time_s"]["n"] == 0 else f"{r['train_time_s']['mean']:,.0f}"
+        ev = "-" if r["eval_time_s"]["n"] == 0 else f"{r['eval_time_s']['mean']:,.1f}"
+        lines.append(f"{r['task'] + ' / ' + r['setting']:<{width}}{cells}{frames:>14}{train:>14}{ev:>10}")
+    lines += ["", "Runs", f"{'run':<{width + 8}}{'status':<10}{'frames':>12}{'train s':>12}{'eval s':>10}{'success':>10}"]
+    for r in per_run:
+        name = f"{r['task']}/{r['setting']}/seed{r['seed']}"
+        frames = "-" if r["frames"] is None else f"{r['frames']:,}"
+        train = "-" if r["train_time_s"] is None else f"{r['train_time_s']:,.0f}"
+        ev = "-" if r["eval_time_s"] is None else f"{r['eval_time_s']:,.1f}"
+        success = r["eval"].get("success")
+        lines.append(f"{name:<{width + 8}}{r['status']:<10}{frames:>12}{train:>12}{ev:>10}"
+                     f"{'-' if success is None else f'{success:.3f}':>10}")
+    return "\n".join(lines)
+
+
+def make_figures(runs: List[Run], args) -> List[str]:
+    """``ROOT/<task>/curves.png``: each setting's mean curve over seeds with a 95 % band (oni-plot --group)."""
+    from torchrl_oni.plot import METRICS_FILE, PlotError, plot_runs
+
+    written = []
+    for task in dict.fromkeys(r.task for r in runs):
+        dirs = [str(r.logdir) for r in runs if r.task == task and (r.logdir / METRICS_FILE).exists()]
+        if not dirs:
+            continue
+        out = Path(args.root) / task / "curves.png"
+        try:
+            written.append(str(plot_runs(dirs, out, group=True, smooth=args.smooth,
+                                         title=task)))
+        except (PlotError, OSError) as err:
+            say(f"no figure for {task}: {err}")
+    return written
+
+
+# ---------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default="runs/sparse_tasks", help="where the run folders go (default: %(default)s)")
+    p.add_argument("--tasks", nargs="+", default=["staircase"], help="oni-train --task values (default: staircase)")
+    p.add_argument("--rewards", nargs="+", default=[NONE, "retrieval"],
+                   help="intrinsic reward types, 'none' included (default: none retrieval)")
+    p.add_argument("--annotators", nargs="+", choices=("llm", "scripted"), default=["llm"],
+                   help="annotators of the intrinsic runs (default: llm)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (default: 0 1 2)")
+    p.add_argument("--frames", type=parse_count, default=parse_count("4M"), help="frames per run, e.g. 4M (default: 4M)")
+    p.add_argument("--random", action="store_true",
+                   help="add a random-policy row per task and seed: oni-eval of an untrained checkpoint")
+    p.add_argument("--extra", default="", metavar="FLAGS", help="oni-train flags for every run, e.g. "
+                   "\"--extrinsic-coeff 10 --workers 2\"")
+    p.add_argument("--extra-for", nargs=2, action="append", default=[], metavar=("KEY", "FLAGS"),
+                   help="oni-train flags for the runs of one reward type, of every intrinsic reward "
+                        "('intrinsic') or of 'random'; repeatable")
+    p.add_argument("--episodes", type=int, default=64, help="oni-eval episodes per run (default: %(default)s)")
+    p.add_argument("--eval-extra", default="", metavar="FLAGS", help="oni-eval flags, e.g. \"--workers 2 --greedy\"")
+    p.add_argument("--budgets", nargs="+", type=float, default=[0.25, 0.5, 1.0],
+                   help="fractions of --frames at which the training curve is read (default: 0.25 0.5 1)")
+    p.add_argument("--curve-metrics", nargs="+", default=["episode/success"], metavar="COLUMN",
+                   help="metrics.csv columns read at the budgets (default: episode/success)")
+    p.add_argument("--parallel", type=int, default=1, help="commands run at once (default: 1)")
+    p.add_argument("--seconds", type=float, default=None, help="start no new command after this many seconds")
+    p.add_argument("--smooth", type=int, default=1, help="moving average of the figures' curves, in logged rows")
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="no figures")
+    p.add_argument("--dry-run", action="store_true", help="list the runs, their state and commands; run nothing")
+    return p
+
+
+# options whose values are oni-train/oni-eval flags: (option, index of the flags among its values)
+FLAG_VALUED = {"--extra": 0, "--eval-extra": 0, "--extra-for": 1}
+
+
+def protect_flag_values(argv: Sequence[str]) -> List[str]:
+    """``argv`` with a space before each value of :data:`FLAG_VALUED` options: argparse takes a
+    lone ``--no-tensorboard`` after ``--extra`` for an option of its own (a value with a space in
+    it is left alone, so the space makes it a value; shlex drops it again).
+
+    Example:
+        >>> protect_flag_values(["--extra", "--no-tensorboard", "--extra-for", "none", "--lr 1"])
+        ['--extra', ' --no-tensorboard', '--extra-for', 'none', ' --lr 1']
+    """
+    out = list(argv)
+    i = 0
+    while i < len(out):
+        position = FLAG_VALUED.get(out[i])
+        if position is not None and i + 1 + position < len(out):
+            out[i + 1 + position] = " " + out[i + 1 + position]
+            i += 1 + position
+        i += 1
+    return out
+
+
+def check_args(args) -> None:
+    if args.frames <= 0:
+        raise GridError("--frames must be positive")
+    if args.parallel < 1:
+        raise GridError("--parallel must be at least 1")
+    if args.episodes < 1:
+        raise GridError("--episodes must be at least 1")
+    if args.smooth < 1:
+        raise GridError("--smooth must be at least 1")
+    if any(not 0 < b <= 1 for b in args.budgets):
+        raise GridError("--budgets are fractions of --frames in (0, 1]")
+    if args.seconds is not None and args.seconds < 0:
+        raise GridError("--seconds must be non-negative")
+
+
+def plan(args):
+    """The grid with every run's configuration and state; raises GridError on bad flags."""
+    check_args(args)
+    eval_args = parse_eval_flags(args)
+    runs = build_grid(args)
+    for run in runs:
+        run.config = parse_train_flags(run)
+        update_status(run, eval_args)
+    return runs, eval_args
+
+
+def dry_run(runs: List[Run], args) -> int:
+    counts: Dict[str, int] = {}
+    width = max(len(r.name) for r in runs) + 2
+    print(f"{'run':<{width}}{'state':<10}what it needs")
+    listed = []
+    for run in runs:
+        counts[run.status] = counts.get(run.status, 0) + 1
+        if run.status in ("train", "resume"):
+            what = display_command(TRAIN_MODULE, run.train_args + (["--resume"] if run.status == "resume" else []))
+            what += " && " + display_command(EVAL_MODULE, eval_command(run, args))
+        elif run.status == "create":
+            what = "an untrained checkpoint (Trainer(cfg).save()) && "
+            what += display_command(EVAL_MODULE, eval_command(run, args))
+        elif run.status == "eval":
+            what = display_command(EVAL_MODULE, eval_command(run, args))
+        elif run.status == "conflict":
+            what = f"refused: {run.detail}"
+        else:
+            what = "nothing"
+        if run.detail and run.status != "conflict":
+            what = f"({run.detail}) {what}"
+        print(f"{run.name:<{width}}{run.status:<10}{what}")
+        listed.append({"run": run.name, "logdir": str(run.logdir), "status": run.status, "detail": run.detail,
+                       "frames": run.frames})
+    print(json.dumps({"benchmark": "sparse_tasks", "dry_run": True, "counts": counts, "runs": listed}))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import logging
+
+    logging.getLogger("torchrl").setLevel(logging.WARNING)  # its INFO lines would go to stdout
+    t0 = time.perf_counter()
+    try:
+        args = build_parser().parse_args(protect_flag_values(sys.argv[1:] if argv is None else argv))
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    args.extra, args.eval_extra = args.extra.strip(), args.eval_extra.strip()
+    args.extra_for = [(key, flags.strip()) for key, flags in args.extra_for]
+    try:
+        runs, eval_args = plan(args)
+    except GridError as err:
+        return report(PROG, str(err))
+    if args.dry_run:
+        return dry_run(runs, args)
+    conflicts = [r for r in runs if r.status == "conflict"]
+    if conflicts:
+        r = conflicts[0]
+        more = f" (and {len(conflicts) - 1} more; see --dry-run)" if len(conflicts) > 1 else ""
+        return report(PROG, f"{r.logdir} holds another run: {r.detail}; use another --root{more}")
+
+    launcher = Launcher(args.parallel, args.seconds)
+    todo = [r for r in runs if r.status != "done"]
+    kinds = [f"{s} {sum(r.status == s for r in todo)}" for s in ("train", "resume", "eval", "create")
+             if any(r.status == s for r in todo)]
+    say(f"{len(runs)} runs, {len(runs) - len(todo)} done, {len(todo)} to go" + (f" ({', '.join(kinds)})" if kinds else ""))
+    with forward_signals(launcher):
+        for run in (r for r in todo if r.status == "create"):
+            if not launcher.may_start():
+                run.outcome = "not started"
+                continue
+            say(f"{run.name}: writing an untrained checkpoint")
+            create_untrained(run)
+            launcher.launched["create"] += 1
+            run.status = "eval"
+        first = [r for r in todo if r.status in ("train", "resume", "eval")]
+        run_pool(first, launcher, args, eval_args, final=False)
+        waiting = [r for r in first if r.outcome == "waiting"]
+        if waiting:
+            run_pool(waiting, launcher, args, eval_args, final=True)
+    for run in runs:
+        update_status(run, eval_args)
+    failed = [r for r in runs if r.outcome == "failed"]
+    per_run = [collect_run(r, args) for r in runs]
+    rows = aggregate(per_run, args)
+    figures = make_figures(runs, args) if args.plot else []
+    print(format_tables(rows, per_run, args))
+    summary = {
+        "benchmark": "sparse_tasks",
+        "root": str(args.root),
+        "grid": {"tasks": args.tasks, "rewards": args.rewards, "annotators": args.annotators, "seeds": args.seeds,
+                 "random": args.random, "frames": args.frames, "episodes": args.episodes, "extra": args.extra,
+                 "extra_for": [list(x) for x in args.extra_for], "eval_extra": args.eval_extra},
+        "budgets": args.budgets,
+        "rows": rows,
+        "runs": per_run,
+        "launched": launcher.launched,
+        "done": sum(r.status == "done" for r in runs),
+        "failed": [r.name for r in failed],
+        "not_started": [r.name for r in runs if r.outcome == "not started"],
+        "figures": figures,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(summary))
+    if launcher.stopped_by is not None:
+        return 128 + launcher.stopped_by
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

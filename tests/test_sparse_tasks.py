@@ -1,0 +1,239 @@
+"""benchmarks/sparse_tasks.py: a grid of real oni-train/oni-eval commands, resumed, skipped, aggregated over seeds."""
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sparse_tasks.py"
+T975 = {1: 12.706, 2: 4.303}  # Student's t, 97.5 % quantile, from printed tables
+EVAL_KEYS = {"success", "return", "max_dlvl", "xlvl", "score", "approved_per_episode"}
+TINY = ["--tasks", "staircase", "--annotators", "scripted", "--frames", "2048",
+        "--extra", "--workers 1 --envs-per-worker 4 --max-episode-steps 40 --no-tensorboard",
+        "--episodes", "4", "--eval-extra", "--workers 1"]
+
+
+@pytest.fixture(scope="module")
+def grid():
+    spec = importlib.util.spec_from_file_location("sparse_tasks", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _json_line(text):
+    lines = text.strip().splitlines()
+    return json.loads(lines[-1]), lines[:-1]
+
+
+def _snapshot(root):
+    """mtime of every file of every run folder."""
+    return {str(p): p.stat().st_mtime_ns for p in Path(root).rglob("*") if p.is_file() and "seed" in str(p)}
+
+
+# ---------------------------------------------------------------------- end to end (real commands)
+@pytest.mark.slow
+def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, capsys):
+    root = tmp_path / "grid"
+    args = [sys.executable, str(SCRIPT), "--root", str(root), *TINY]
+    first = subprocess.run(args + ["--rewards", "none", "retrieval", "--seeds", "0", "--random", "--parallel", "2"],
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary, table = _json_line(first.stdout)
+    assert any(line.startswith("task / setting") for line in table)
+    assert summary["launched"] == {"train": 2, "resume": 0, "eval": 3, "create": 1}
+    assert summary["failed"] == [] and summary["done"] == 3
+
+    runs = {s: root / "staircase" / s / "seed0" for s in ("retrieval-scripted", "none", "random")}
+    store = runs["retrieval-scripted"] / "captions.pt"
+    evals = {}
+    for setting, folder in runs.items():
+        evals[setting] = json.loads((folder / "eval.json").read_text())
+        assert evals[setting]["episodes"] == 4
+        assert evals[setting]["messages"]["approved_per_episode"] is not None  # every row judged by labels
+    assert evals["retrieval-scripted"]["frames_trained"] >= 2048 and evals["random"]["frames_trained"] == 0
+    # none and random are judged by the intrinsic run's labels
+    assert evals["none"]["caption_store"] == evals["random"]["caption_store"] == str(store)
+    assert not (runs["none"] / "captions.pt").exists()
+    train_log = (runs["none"] / "train.log").read_text()
+    assert "$ oni-train " in train_log and "--intrinsic-reward none --seed 0 --frames 2048" in train_log
+    assert "--annotator" not in train_log.splitlines()[1]
+
+    rows = {r["setting"]: r for r in summary["rows"]}
+    assert set(rows) == set(runs)
+    for setting, row in rows.items():
+        assert set(row["eval"]) == EVAL_KEYS and row["seeds"] == [0]
+        assert row["eval"]["success"]["mean"] == evals[setting]["success_rate"]["mean"]
+        assert row["eval"]["score"]["mean"] == evals[setting]["score"]["mean"]
+        assert set(row["curve"]["episode/success"]) == {"0.25", "0.5", "1"}
+    assert rows["none"]["curve"]["episode/success"]["1"]["n"] == 1
+    assert rows["random"]["curve"]["episode/success"]["1"]["n"] == 0  # never trained: no curve
+    per_run = {r["setting"]: r for r in summary["runs"]}
+    assert per_run["none"]["train_time_s"] > 0 and per_run["none"]["eval_time_s"] > 0
+    assert per_run["none"]["frames"] == evals["none"]["frames_trained"]
+    assert summary["figures"] == [str(root / "staircase" / "curves.png")]
+    assert (root / "staircase" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    # the same command again: everything is done, nothing is launched, nothing rewritten
+    before = _snapshot(root)
+    again = ["--root", str(root), *TINY, "--rewards", "none", "retrieval", "--seeds", "0", "--random"]
+    assert grid.main(again) == 0
+    summary, _ = _json_line(capsys.readouterr().out)
+    assert summary["launched"] == {"train": 0, "resume": 0, "eval": 0, "create": 0} and summary["done"] == 3
+    assert _snapshot(root) == before
+
+    # --dry-run lists the state: done now; with more frames the trained runs are to be resumed
+    assert grid.main(again + ["--dry-run"]) == 0
+    listed, _ = _json_line(capsys.readouterr().out)
+    assert listed["counts"] == {"done": 3}
+    assert grid.main(again + ["--dry-run", "--frames", "4096"]) == 0
+    out = capsys.readouterr().out
+    listed, lines = _json_line(out)
+    states = {r["run"]: (r["status"], r["frames"]) for r in listed["runs"]}
+    assert states == {"staircase/retrieval-scripted/seed0": ("resume", 2048), "staircase/none/seed0": ("resume", 2048),
+                      "staircase/random/seed0": ("done", 0)}
+    assert any("from 2,048 frames" in line and "--resume" in line for line in lines)
+    assert _snapshot(root) == before
+
+    # an interrupted or extended run is continued with oni-train --resume, its curve kept
+    assert grid.main(["--root", str(root), *TINY, "--rewards", "none", "--seeds", "0", "--frames", "4096"]) == 0
+    summary, _ = _json_line(capsys.readouterr().out)
+    assert summary["launched"] == {"train": 0, "resume": 1, "eval": 1, "create": 0}
+    commands = [line for line in (runs["none"] / "train.log").read_text().splitlines() if line.startswith("$ ")]
+    assert len(commands) == 2 and commands[1].split("#")[0].rstrip().endswith("--resume")
+    frames = [float(line.split(",")[0]) for line in (runs["none"] / "metrics.csv").read_text().splitlines()[1:]]
+    assert frames[0] == 128 and frames[-1] == 4096 and frames == sorted(frames)
+    assert json.loads((runs["none"] / "eval.json").read_text())["frames_trained"] == 4096
+
+
+# ---------------------------------------------------------------------- fast: planning, errors, aggregation
+def test_dry_run_lists_every_run_and_its_commands_and_creates_nothing(grid, tmp_path, capsys):
+    root = tmp_path / "plan"
+    argv = ["--root", str(root), "--tasks", "staircase", "score", "--rewards", "retrieval", "none", "classification",
+            "--annotators", "scripted", "llm", "--seeds", "0", "1", "--random", "--frames", "4M",
+            "--extra", "--workers 2", "--extra-for", "intrinsic", "--extrinsic-coeff 0", "--episodes", "8", "--dry-run"]
+    assert grid.main(argv) == 0
+    listed, lines = _json_line(capsys.readouterr().out)
+    settings = ["retrieval-scripted", "retrieval-llm", "classification-scripted", "classification-llm", "none", "random"]
+    expected = [f"{t}/{s}/seed{k}" for t in ("staircase", "score") for k in (0, 1) for s in settings]
+    assert [r["run"] for r in listed["runs"]] == expected
+    assert listed["counts"] == {"train": 20, "create": 4}
+    by_run = {line.split()[0]: line for line in lines[1:]}
+    ret = by_run["score/retrieval-llm/seed1"]
+    assert "oni-train --no-progress --workers 2 --extrinsic-coeff 0 --task score --intrinsic-reward retrieval " \
+           "--annotator llm --seed 1 --frames 4000000" in ret
+    none = by_run["score/none/seed1"]
+    assert "--extrinsic-coeff" not in none and "--annotator" not in none  # extra-for intrinsic only
+    assert f"--caption-store {root}/score/retrieval-scripted/seed1/captions.pt" in none
+    assert "--episodes 8" in none
+    assert "untrained checkpoint" in by_run["staircase/random/seed0"]
+    assert not root.exists()
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--extra", "--seed 3"], "--extra may not set --seed"),
+        (["--extra-for", "retrieval", "--logdir x"], "may not set --logdir"),
+        (["--extra", "--no-such-flag"], "oni-train refuses its flags: unrecognized arguments: --no-such-flag"),
+        (["--extra", "--lr abc"], "oni-train refuses its flags: argument --lr"),
+        (["--extra", "--workers 0"], "--workers must be at least 1"),
+        (["--extra", '"unclosed'], "--extra"),
+        (["--extra-for", "bogus", "--lr 1"], "unknown key 'bogus'"),
+        (["--eval-extra", "--episodes 3"], "--eval-extra may not set --episodes"),
+        (["--eval-extra", "--greedy --sample"], "oni-eval refuses it"),
+        (["--rewards", "nope"], "unknown reward 'nope'"),
+        (["--budgets", "0"], "--budgets are fractions"),
+        (["--parallel", "0"], "--parallel must be at least 1"),
+        (["--frames", "lots"], "--frames"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(grid, tmp_path, capsys, extra, expected):
+    argv = ["--root", str(tmp_path / "r"), "--rewards", "none", "retrieval", "--seeds", "0", *extra]
+    assert grid.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sparse_tasks.py: error:") and len(err.splitlines()) == 1, err
+    assert expected in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_folder_of_another_configuration_is_refused(grid, tmp_path, capsys):
+    from torchrl_oni.train.config import TrainConfig
+    from torchrl_oni.train.ppo import write_config
+
+    root = tmp_path / "r"
+    folder = root / "staircase" / "none" / "seed0"
+    folder.mkdir(parents=True)
+    # the same flags but another learning rate and more frames (frames alone would be continued)
+    write_config(TrainConfig(task="staircase", frames=8192, lr=1e-3, workers=1, envs_per_worker=4,
+                             max_episode_steps=40, tensorboard=False, progress=False).resolved(), str(folder))
+    argv = ["--root", str(root), *TINY, "--rewards", "none", "--seeds", "0"]
+    assert grid.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sparse_tasks.py: error:") and len(err.splitlines()) == 1
+    assert str(folder) in err and "--lr 0.001 -> 0.0003" in err and "--frames" not in err
+    assert grid.main(argv + ["--dry-run"]) == 0
+    listed, _ = _json_line(capsys.readouterr().out)
+    assert listed["runs"][0]["status"] == "conflict"
+    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml"]  # nothing launched
+
+
+def _per_run(task, setting, seed, status, success, ret, curve):
+    return {"task": task, "setting": setting, "reward": setting.split("-")[0], "annotator": None, "seed": seed,
+            "status": status, "frames": 4096, "train_time_s": 10.0 + seed, "eval_time_s": 1.0,
+            "eval": {"success": success, "return": ret, "max_dlvl": 1.0 + seed, "xlvl": 1.0, "score": 5.0,
+                     "approved_per_episode": None},
+            "curve": {"episode/success": {"0.5": curve, "1": curve + 0.1}}}
+
+
+def test_aggregate_is_mean_and_student_t_ci_over_the_seeds_that_are_done(grid):
+    class Args:
+        budgets = [0.5, 1.0]
+        curve_metrics = ["episode/success"]
+        episodes, frames = 16, 4096
+
+    success, ret = [0.25, 0.5, 0.75], [1.0, 4.0, 10.0]
+    per_run = [_per_run("staircase", "retrieval-llm", k, "done", success[k], ret[k], 0.1 * k) for k in range(3)]
+    per_run.append(_per_run("staircase", "retrieval-llm", 3, "resume", 1.0, 100.0, 1.0))  # not done: left out
+    per_run += [_per_run("staircase", "none", k, "done", 0.0, 2.0 * k, 0.0) for k in range(2)]
+    rows = {r["setting"]: r for r in grid.aggregate(per_run, Args)}
+    row = rows["retrieval-llm"]
+    assert row["seeds"] == [0, 1, 2] and row["runs"] == 4
+
+    def reference(values):
+        n = len(values)
+        mean = sum(values) / n
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+        half = T975[n - 1] * sd / math.sqrt(n)
+        return mean, [mean - half, mean + half]
+
+    for key, values in (("success", success), ("return", ret), ("max_dlvl", [1.0, 2.0, 3.0])):
+        mean, ci = reference(values)
+        assert row["eval"][key]["mean"] == pytest.approx(mean)
+        assert row["eval"][key]["ci95"] == pytest.approx(ci, rel=1e-4)
+    mean, ci = reference([0.1 * k + 0.1 for k in range(3)])
+    assert row["curve"]["episode/success"]["1"]["mean"] == pytest.approx(mean)
+    assert row["curve"]["episode/success"]["1"]["ci95"] == pytest.approx(ci, rel=1e-4)
+    assert row["eval"]["approved_per_episode"]["n"] == 0 and row["train_time_s"]["mean"] == pytest.approx(11.0)
+    mean, ci = reference([0.0, 2.0])
+    assert rows["none"]["eval"]["return"]["ci95"] == pytest.approx(ci, rel=1e-4)
+    text = grid.format_tables(list(rows.values()), per_run, Args)
+    assert "success@50%" in text and "staircase / retrieval-llm" in text
+    line = next(line for line in text.splitlines() if line.startswith("staircase / retrieval-llm") and "/4" in line)
+    half = T975[2] * 0.25 / math.sqrt(3)  # success: mean 0.5, standard deviation 0.25 over 3 seeds
+    assert f"0.500 ±{half:.3f}" in line, line
+
+
+def test_curve_values_are_read_at_the_budgets(grid, tmp_path):
+    rows = [{"frames": 512.0 * i, "time_s": float(i), "episode/success": i / 10} for i in range(1, 9)]
+    rows[0].pop("episode/success")  # no episode had ended yet
+    assert grid.curve_value(rows, "episode/success", 2048) == pytest.approx(0.4)
+    assert grid.curve_value(rows, "episode/success", 4096) == pytest.approx(0.8)
+    assert grid.curve_value(rows, "episode/success", 4300) == pytest.approx(0.8)  # within one logging interval
+    assert grid.curve_value(rows, "episode/success", 8192) is None  # the run is not there yet
+    assert grid.curve_value(rows, "episode/dlvl", 2048) is None
