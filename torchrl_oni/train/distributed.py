@@ -1,0 +1,537 @@
+"""Where the env workers run: local processes or Ray actors on any node, behind one collector.
+
+:func:`make_collector` returns the collector :class:`~torchrl_oni.train.ppo.Trainer` iterates,
+for one of two backends:
+
+* ``"local"``: TorchRL's ``MultiAsyncCollector``, one process per env factory on this machine;
+* ``"ray"``: TorchRL's ``RayCollector`` (``torchrl.collectors.distributed``), one Ray actor per env
+  factory, placed by Ray on any node of a cluster (``ray_address="auto"`` or ``"HOST:PORT"``; no
+  address starts a Ray instance on this machine for the run and stops it at the end).
+
+Contract, the same for both (what the trainer relies on):
+
+* ``for batch in collector``: one worker's TensorDict ``[K, T]`` at a time, first ready first
+  served; the worker keeps playing while the learner learns on it; the iterator counts the
+  frames delivered;
+* ``collector.update_policy_weights_(weights)``: ``TensorDict.from_module(actor)`` on CPU; does
+  not wait for the workers;
+* ``collector.shutdown()``: stops the workers (and the Ray instance the run started).
+
+What the Ray backend adds on top of ``RayCollector`` (TorchRL 0.14.1), and why:
+
+* **weights through the object store** (:class:`ObjectStoreWeightSyncScheme`, a TorchRL
+  ``WeightSyncScheme``): ``ray.put`` once per update, then one queued ``update_policy_weights_``
+  call per actor, applied between two of its batches. ``RayCollector``'s default
+  ``RayWeightSyncScheme`` sends over a gloo process group of fixed size and waits for every actor
+  to finish its rollout (the learner stalls ~one rollout per update, measured), and a restarted
+  actor cannot rejoin the group;
+* **the next rollout is requested before the batch is handed over** (as ``MultiAsyncCollector``
+  does); ``RayCollector`` asks only after the learner's update, leaving the worker idle
+  meanwhile. A batch is played with the weights its worker had when the batch began;
+* **faults**: actors are created with Ray's ``max_restarts``; when one dies (its process, or its
+  node) the run goes on with the others, says so once in the log, re-requests the worker with
+  back-off until Ray has restarted it, and its first rollout after the restart carries the
+  current weights. A batch lost in flight is never counted; a worker Ray reports dead for good
+  is dropped. ``RayCollector`` itself stops at the first dead actor;
+* **small actor constructor arguments**: actors receive a weightless copy of the policy (NaN
+  until the first weights arrive, so a missed update fails loudly). Arguments over 100 kB go to
+  Ray's object store, and Ray cannot restart an actor whose arguments lived on a dead node
+  (ray-project/ray#53727).
+
+Example:
+    >>> from torchrl_oni.envs import NLEBatchEnv
+    >>> from torchrl_oni.train.config import TrainConfig
+    >>> from torchrl_oni.train.policy import make_actor_critic
+    >>> from torchrl_oni.train.ppo import make_env_factory
+    >>> from torchrl_oni.train.distributed import make_collector
+    >>> cfg = TrainConfig(workers=1, envs_per_worker=2, rollout=8)
+    >>> actor, _ = make_actor_critic(NLEBatchEnv("score", num_envs=1, seed=0))
+    >>> collector = make_collector("local", [make_env_factory(cfg, 0)], actor,
+    ...                            frames_per_batch=16, total_frames=32)
+    >>> [tuple(batch.shape) for batch in collector]
+    [(2, 8), (2, 8)]
+    >>> collector.shutdown()
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import logging
+import math
+import re
+import signal
+import socket
+import threading
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.collectors import Collector, MultiAsyncCollector
+from torchrl.collectors.distributed import RayCollector
+from torchrl.weight_update import WeightSyncScheme
+
+__all__ = [
+    "BACKENDS",
+    "ObjectStoreWeightSyncScheme",
+    "RayEnvCollector",
+    "check_backend",
+    "make_collector",
+    "ray_init_kwargs",
+]
+
+log = logging.getLogger("torchrl_oni.train")
+
+BACKENDS = ("local", "ray")
+DEFAULT_OBJECT_STORE_MEMORY = 200 * 2**20  # bytes; batches are a few MB, weights under 1 MB
+_ADDRESS = re.compile(r"^(auto|[^\s:/]+:\d{1,5})$")
+
+
+def check_backend(backend: str, ray_address: Optional[str] = None) -> None:
+    """Raises ``ValueError`` with one sentence if the backend cannot be used here.
+
+    Example:
+        >>> check_backend("local")
+        >>> check_backend("ray", "head-node")
+        Traceback (most recent call last):
+        ...
+        ValueError: --ray-address 'head-node': expected auto or HOST:PORT
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown --backend {backend!r} (local or ray)")
+    if backend == "local":
+        if ray_address is not None:
+            raise ValueError("--ray-address needs --backend ray")
+        return
+    if ray_address is not None and not _ADDRESS.match(ray_address):
+        raise ValueError(f"--ray-address {ray_address!r}: expected auto or HOST:PORT")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError("--backend ray needs Ray: pip install 'torchrl_oni[ray]'") from None
+
+
+def _probe(ray_address: Optional[str], timeout: float = 10.0) -> None:
+    """Fails fast on a HOST:PORT where nothing listens: ``ray.init`` retries such an address for
+    minutes before giving up."""
+    if ray_address is None or not re.match(r"^[^\s:/]+:\d+$", ray_address):
+        return
+    host, port = ray_address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(f"--ray-address {ray_address}: nothing answers there ({err}); is the head started "
+                              f"(ray start --head --port {port})?") from None
+
+
+def ray_init_kwargs(ray_address: Optional[str], num_cpus: float,
+                    object_store_memory: int = DEFAULT_OBJECT_STORE_MEMORY) -> Dict[str, Any]:
+    """``ray.init`` arguments: join a cluster, or start a Ray instance sized for ``num_cpus``.
+
+    A Ray instance started for the run offers exactly the CPUs its actors reserve (no
+    oversubscription of a small machine), a small object store and no dashboard. A cluster's
+    sizes belong to its ``ray start`` commands, so joining one passes only the address.
+
+    Example:
+        >>> ray_init_kwargs(None, num_cpus=2)["num_cpus"], ray_init_kwargs("auto", 2)["address"]
+        (2, 'auto')
+    """
+    common = dict(log_to_driver=True, logging_level=logging.WARNING)
+    if ray_address is not None:
+        return dict(address=ray_address, **common)
+    return dict(num_cpus=num_cpus, num_gpus=0, object_store_memory=int(object_store_memory),
+                include_dashboard=False, **common)
+
+
+# ---------------------------------------------------------------------------------- weights
+class _ActorTransport:
+    """One actor's end of :class:`ObjectStoreWeightSyncScheme`: queues a weight update on it."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def send_weights(self, weights_ref) -> Any:
+        return self.actor.update_policy_weights_.remote(weights_ref)
+
+    def setup_connection_and_weights_on_sender(self) -> None:
+        pass  # nothing to connect: the first update carries the weights
+
+    def setup_connection_and_weights_on_receiver(self, **kwargs) -> None:
+        return None
+
+
+class ObjectStoreWeightSyncScheme(WeightSyncScheme):
+    """TorchRL weight sync for Ray actors through Ray's object store, without waiting.
+
+    ``send`` puts the weights in the object store once and queues one
+    ``update_policy_weights_(ref)`` call per actor (TorchRL's own ``Collector`` method: it copies
+    them into the actor's policy in place). A Ray actor runs its calls in the order they were
+    submitted, so an actor busy with a rollout applies the update right after it, before its next
+    one; the learner never waits. Updates that failed because their actor died are dropped
+    (the collector re-sends :attr:`latest` with the actor's first rollout after its restart);
+    any other failure, e.g. weights that do not fit the policy, is raised at the next ``send``.
+
+    Args:
+        strategy: ``"tensordict"`` (TorchRL's default weight format).
+    """
+
+    def __init__(self, strategy: str = "tensordict"):
+        super().__init__(strategy)
+        self.latest = None  # ObjectRef of the last weights sent
+        self._in_flight: List[Any] = []
+
+    def create_transport(self, *, remote_actor=None, **kwargs) -> _ActorTransport:
+        return _ActorTransport(remote_actor)
+
+    def _init_on_sender_impl(self, model_id: str, context: Any = None, **kwargs) -> None:
+        self.model_id = model_id
+        actors = kwargs.get("remote_collectors")
+        if actors is None and context is not None:
+            actors = context.remote_collectors
+        if not actors:
+            raise ValueError("ObjectStoreWeightSyncScheme needs the remote collectors (Ray actors)")
+        for idx, actor in enumerate(actors):
+            self._register_worker_sender(worker_idx=idx, transport=self.create_transport(remote_actor=actor))
+        if context is not None:
+            self.context = context
+        if kwargs.get("model") is not None:
+            self.model = kwargs["model"]
+
+    def _init_on_receiver_impl(self, model_id: str, context: Any = None, **kwargs) -> None:
+        self.model_id = model_id  # the actor's Collector.update_policy_weights_ applies the weights
+
+    def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx=None) -> None:
+        pass
+
+    def forget(self, worker_idx: int) -> None:
+        """Stops sending to a worker that is gone for good."""
+        if self._sender_transports is not None:
+            self._sender_transports.pop(worker_idx, None)
+
+    def send(self, weights: Any = None, worker_ids=None) -> None:
+        import ray
+
+        if not self.synchronized_on_sender:
+            raise RuntimeError("Must be synchronized on sender before sending weights")
+        weights = self.prepare_weights(weights=weights, model_id=self._model_id, strategy=self._strategy,
+                                       context=self.context)
+        if weights is None:
+            raise RuntimeError("no weights to send: pass them, or give the scheme a model")
+        if isinstance(weights, TensorDictBase):
+            weights = weights.data.cpu()
+        self._reap()
+        self.latest = ray.put(weights)
+        if isinstance(worker_ids, int):
+            worker_ids = [worker_ids]
+        targets = sorted(self._sender_transports or {}) if worker_ids is None else worker_ids
+        for idx in targets:
+            transport = (self._sender_transports or {}).get(idx)
+            if transport is not None:
+                self._in_flight.append(transport.send_weights(self.latest))
+
+    def _reap(self) -> None:
+        """Collects finished updates: actor deaths are the collector's business, the rest raises."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if not self._in_flight:
+            return
+        done, self._in_flight = ray.wait(self._in_flight, num_returns=len(self._in_flight), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                pass
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._in_flight = []
+        self.latest = None
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["latest"] = None
+        state["_in_flight"] = []
+        state["_sender_transports"] = None
+        return state
+
+
+# ---------------------------------------------------------------------------------- actors
+class _PolicySkeleton:
+    """Policy factory for the actors: the architecture without its weights (a few kB to pickle).
+
+    The actor's copy is filled with NaN: it acts only after the learner's weights arrive (the
+    first update is queued before the first rollout), and a missing update fails loudly.
+    """
+
+    def __init__(self, policy: torch.nn.Module):
+        self.skeleton = copy.deepcopy(policy).to("meta")
+
+    def __call__(self) -> torch.nn.Module:
+        policy = copy.deepcopy(self.skeleton).to_empty(device="cpu")
+        with torch.no_grad():
+            for tensor in TensorDict.from_module(policy).values(True, True):
+                tensor.fill_(math.nan if tensor.is_floating_point() else 0)
+        return policy
+
+
+class EnvWorker(Collector):
+    """The Ray actor: TorchRL's single-process ``Collector`` over one batched env, plus two calls."""
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
+        return f"EnvWorker{getattr(self, '_worker_idx', '')}"
+
+    def node(self):
+        """``(node id, IP address)`` of the Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def next_with_weights(self, weights: TensorDictBase):
+        """Loads ``weights`` then collects a batch: a restarted actor's first call, one task so
+        that it cannot act with its constructor's (NaN) weights."""
+        self.update_policy_weights_(weights)
+        return self.next()
+
+
+def _results(refs: List[Any]) -> List[Any]:
+    """``ray.get(refs)``, waited for in Python so that Ctrl-C/SIGTERM handlers keep their exception."""
+    futures = [ref.future() for ref in refs]
+    concurrent.futures.wait(futures)
+    return [future.result() for future in futures]
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:160]}{'…' if len(text) > 160 else ''}"
+
+
+class RayEnvCollector(RayCollector):
+    """TorchRL's ``RayCollector`` that prefetches, counts delivered frames and outlives dead actors.
+
+    Built by :func:`make_collector`; the keyword arguments are ``RayCollector``'s plus
+    ``worker_timeout`` (seconds without any batch before the run fails) and ``retry_backoff``
+    (first and longest wait between two requests to a worker that Ray is restarting).
+
+    Attributes:
+        last_worker: index of the worker that produced the last batch.
+        worker_nodes: ``(node id, IP address)`` of each worker, as first placed.
+        workers_alive: workers neither restarting nor gone.
+    """
+
+    def __init__(self, *args, worker_timeout: float = 600.0, retry_backoff=(1.0, 30.0), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.worker_timeout = worker_timeout
+        self.retry_backoff = retry_backoff
+        self.last_worker: Optional[int] = None
+        self.worker_nodes: List[tuple] = []
+        self._actors = list(self.remote_collectors)  # shutdown() empties remote_collectors
+        self._dropped: set = set()
+        self._down: Dict[int, dict] = {}  # worker -> since, retry_at, backoff, died (ActorDiedError in a row)
+        # requested batches: future of the ObjectRef -> (worker, ObjectRef). Waiting on the futures
+        # (Python) rather than ray.wait (C++) lets a signal handler's exception through: Ray turns
+        # any exception raised by a handler during ray.wait into a plain KeyboardInterrupt
+        self._pending: Dict[Any, tuple] = {}
+
+    @property
+    def workers_alive(self) -> int:
+        return len(self._actors) - len(self._dropped) - len(self._down)
+
+    @property
+    def _scheme(self) -> ObjectStoreWeightSyncScheme:
+        return self._weight_sync_schemes["policy"]
+
+    def _where(self, idx: int) -> str:
+        return f" on {self.worker_nodes[idx][1]}" if idx < len(self.worker_nodes) else ""
+
+    # ------------------------------------------------------------------ faults
+    def _on_actor_error(self, idx: int, err: BaseException) -> None:
+        from ray.exceptions import ActorDiedError
+
+        now = time.monotonic()
+        down = self._down.get(idx)
+        if down is None:  # first failure since its last batch: the one log line of this incident
+            down = self._down[idx] = dict(since=now, retry_at=now, backoff=self.retry_backoff[0], died=0)
+            log.warning("env worker %d%s died (%s); training goes on with %d of %d workers while Ray restarts it",
+                        idx, self._where(idx), _short(err), self.workers_alive, len(self._actors))
+        else:
+            down["retry_at"] = now + down["backoff"]
+            down["backoff"] = min(2 * down["backoff"], self.retry_backoff[1])
+        # ActorDiedError on the request sent after the first one too: dead, not restarting
+        down["died"] = down["died"] + 1 if isinstance(err, ActorDiedError) else 0
+        if down["died"] >= 2:
+            del self._down[idx]
+            self._dropped.add(idx)
+            self._scheme.forget(idx)
+            log.warning("env worker %d%s is gone for good (no restart left); continuing with %d of %d workers",
+                        idx, self._where(idx), self.workers_alive, len(self._actors))
+
+    def _request(self, idx: int, ref) -> None:
+        self._pending[ref.future()] = (idx, ref)
+
+    def _resubmit_due(self) -> None:
+        now = time.monotonic()
+        waiting = {idx for idx, _ in self._pending.values()}
+        for idx, down in self._down.items():
+            if down["retry_at"] <= now and idx not in waiting:
+                # a restarted actor has re-run its constructor: its first task carries the weights
+                self._request(idx, self._actors[idx].next_with_weights.remote(self._scheme.latest))
+
+    # ------------------------------------------------------------------ iteration
+    def _async_iterator(self):
+        from ray.exceptions import ObjectLostError, RayActorError
+
+        self._pending = {}
+        for idx, actor in enumerate(self._actors):
+            self._request(idx, actor.next.remote())
+        last_batch = time.monotonic()
+        while self.collected_frames < self.total_frames and not self._stop_event.is_set():
+            self._resubmit_due()
+            if not self._pending:
+                if not self._down:
+                    raise ConnectionError(f"all {len(self._actors)} env workers are gone (Ray reports them dead)")
+                time.sleep(1.0)
+                continue
+            # while a worker is down, wake up every second to request it again when due
+            timeout = 1.0 if self._down else max(self.worker_timeout, 1.0)
+            ready, _ = concurrent.futures.wait(self._pending, timeout=timeout,
+                                               return_when=concurrent.futures.FIRST_COMPLETED)
+            if not ready:
+                if time.monotonic() - last_batch > self.worker_timeout:
+                    raise TimeoutError(
+                        f"no env worker delivered a batch in {self.worker_timeout:.0f} s ({self.workers_alive} of "
+                        f"{len(self._actors)} workers alive; `ray status` shows the cluster)")
+                continue
+            future = next(iter(ready))
+            idx, _ = self._pending.pop(future)
+            try:
+                batch = future.result()
+            except (RayActorError, ObjectLostError) as err:  # the actor died, or the node holding its batch
+                self._on_actor_error(idx, err)
+                continue
+            if idx in self._down:
+                down = self._down.pop(idx)
+                log.warning("env worker %d%s is back after %.0f s; %d of %d workers", idx, self._where(idx),
+                            time.monotonic() - down["since"], self.workers_alive, len(self._actors))
+            # request the next batch first: the worker plays while the learner learns on this one
+            self._request(idx, self._actors[idx].next.remote())
+            self.collected_frames += batch.numel()
+            self.last_worker = idx
+            yield batch
+            last_batch = time.monotonic()  # the learner's time with the batch is not the workers' silence
+        self._pending = {}
+        if self._collection_thread is None:
+            self.shutdown()
+
+    def shutdown(self, timeout: Optional[float] = None, shutdown_ray: bool = False) -> None:
+        """Kills the actors, drops the batches in flight; never raises (it runs before the final save)."""
+        self._pending = {}
+        try:
+            super().shutdown(timeout=timeout, shutdown_ray=shutdown_ray)
+        except Exception as err:  # the cluster itself is gone: nothing left to stop
+            log.warning("could not stop the Ray env workers cleanly (%s)", _short(err))
+            self._runtime_lease.release()
+
+
+# ---------------------------------------------------------------------------------- builder
+def make_collector(
+    backend: str,
+    env_factories: Sequence[Callable],
+    policy: torch.nn.Module,
+    frames_per_batch: int,
+    total_frames: int,
+    ray_address: Optional[str] = None,
+    *,
+    num_cpus_per_actor: float = 1.0,
+    max_restarts: int = 3,
+    object_store_memory: int = DEFAULT_OBJECT_STORE_MEMORY,
+    worker_timeout: float = 600.0,
+):
+    """The trainer's collector: one env worker per factory, here or on a Ray cluster.
+
+    Args:
+        backend: ``"local"`` (``MultiAsyncCollector``, one process per factory) or ``"ray"`` (one
+            Ray actor per factory, anywhere in the cluster).
+        env_factories: picklable callables returning a batched env of K games (one per worker).
+        policy: the acting policy (a CPU module); with ``"ray"`` only its architecture travels,
+            its weights are the first update.
+        frames_per_batch: frames of one worker's batch (K × rollout).
+        total_frames: the iterator stops after this many frames.
+        ray_address: ``None`` starts a Ray instance on this machine for the run (stopped by
+            ``shutdown``); ``"auto"`` or ``"HOST:PORT"`` joins a running cluster.
+        num_cpus_per_actor: CPUs Ray reserves for each env actor (1: one NetHack process per core).
+        max_restarts: how many times Ray restarts a dead env actor.
+        object_store_memory: bytes of object store of a Ray instance started for the run.
+        worker_timeout: seconds without any batch before the run fails (every worker dead or
+            unplaceable).
+
+    Returns:
+        ``MultiAsyncCollector`` or :class:`RayEnvCollector`: iterate it, call
+        ``update_policy_weights_(weights)`` after each update, ``shutdown()`` at the end.
+    """
+    check_backend(backend, ray_address)
+    if backend == "local":
+        return MultiAsyncCollector(
+            list(env_factories),
+            policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            device="cpu",
+            storing_device="cpu",
+            split_trajs=False,
+            num_sub_threads=1,
+        )
+    return _make_ray_collector(env_factories, policy, frames_per_batch, total_frames, ray_address,
+                               num_cpus_per_actor, max_restarts, object_store_memory, worker_timeout)
+
+
+def _make_ray_collector(env_factories, policy, frames_per_batch, total_frames, ray_address,
+                        num_cpus_per_actor, max_restarts, object_store_memory, worker_timeout):
+    import ray
+
+    n = len(env_factories)
+    t0 = time.perf_counter()
+    if not ray.is_initialized():
+        _probe(ray_address)
+    # ray.init replaces the SIGTERM handler with sys.exit; the application's (oni-train's: save a
+    # checkpoint, then stop) is put back below
+    sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    scheme = ObjectStoreWeightSyncScheme()
+    remote = dict(num_cpus=num_cpus_per_actor, num_gpus=0, max_restarts=max_restarts, max_task_retries=0)
+    try:
+        with warnings.catch_warnings():
+            # RayCollector warns that a policy_factory's weights cannot be read from here: they are sent
+            warnings.filterwarnings("ignore", message="The policy is not an nn.Module")
+            collector = RayEnvCollector(
+                list(env_factories),
+                policy_factory=_PolicySkeleton(policy),
+                frames_per_batch=frames_per_batch,
+                total_frames=total_frames,
+                device="cpu",
+                storing_device="cpu",
+                collector_class=EnvWorker,
+                sync=False,
+                ray_init_config=ray_init_kwargs(ray_address, n * num_cpus_per_actor, object_store_memory),
+                remote_configs=remote,
+                weight_sync_schemes={"policy": scheme},
+                worker_timeout=worker_timeout,
+            )
+    except ConnectionError as err:
+        raise ConnectionError(f"--ray-address {ray_address}: no Ray cluster answers, or it refused this process "
+                              f"(same RAY_AUTH_MODE/RAY_AUTH_TOKEN as the cluster?): {_short(err)}") from None
+    finally:
+        if callable(sigterm) and signal.getsignal(signal.SIGTERM) is not sigterm:
+            signal.signal(signal.SIGTERM, sigterm)
+    try:
+        scheme.model = policy  # update_policy_weights_() without weights reads them from here
+        _results([actor.__ray_ready__.remote() for actor in collector.remote_collectors])  # actors built
+        collector.update_policy_weights_(TensorDict.from_module(policy))  # queued before the first rollout
+        collector.worker_nodes = _results([actor.node.remote() for actor in collector.remote_collectors])
+    except BaseException:
+        collector.shutdown()
+        raise
+    ips = sorted({ip for _, ip in collector.worker_nodes})
+    log.info("Ray: %d env workers on %d node(s) (%s), started in %.1f s", n, len(ips), ", ".join(ips),
+             time.perf_counter() - t0)
+    return collector
