@@ -32,6 +32,7 @@ CAPTION_HASH_KEY = "caption_hash"
 MSG_COUNT_KEY = "msg_count"
 INTRINSIC_REWARD_KEY = "intrinsic_reward"
 REWARD_KEY = "reward"
+GOAL_EMBEDDING_KEY = "goal_embedding"  # ELLM: the current goals' embedding, an optional policy input
 
 BytesLike = Union[bytes, bytearray, memoryview, np.ndarray, Sequence[int]]
 

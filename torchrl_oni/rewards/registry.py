@@ -9,6 +9,8 @@ declaration     meaning
 ==============  =========================================================================
 ``labels``      single captions go to the annotator (a :class:`~torchrl_oni.store.CaptionStore` is opened)
 ``pairs``       caption pairs go to the annotator (ranking)
+``llm``         the type sends requests of its own to the LLM server (ELLM's goals): the hook
+                provides an endpoint (``ctx.llm``), starting the embedded server if needed
 ``settings``    a dataclass of the type's own settings; it becomes the config section
                 ``reward.<name>`` and flags ``--<name>-<field>`` (:mod:`torchrl_oni.train.config`)
 ``check``       ``check(cfg)`` raises ``ValueError`` (one sentence) for impossible settings
@@ -33,9 +35,9 @@ import importlib
 import pkgutil
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-__all__ = ["RewardType", "RewardParts", "RewardContext", "register_reward", "reward_types", "reward_names"]
+__all__ = ["RewardType", "RewardParts", "RewardContext", "LLMEndpoint", "register_reward", "reward_types", "reward_names"]
 
 
 @dataclass
@@ -49,7 +51,9 @@ class RewardContext:
         device: where reward models live (the learner's device, never the env workers).
         schedule: the reward-model training schedule (:class:`~torchrl_oni.rewards.classification.RewardModelSchedule`)
             built from ``cfg.reward_model``, for types that train a model.
-        annotator: the annotator when the type needs one (its own requests, e.g. ELLM's goals).
+        annotator: the annotator when the type needs one (labels or pairs).
+        llm: an :class:`LLMEndpoint` when the type declared ``llm`` and the run uses an LLM
+            (``--annotator llm``); None with the rules annotator.
         wake_annotator: call after queueing work (pairs) so the annotation worker picks it up.
     """
 
@@ -59,7 +63,17 @@ class RewardContext:
     device: Any = "cpu"
     schedule: Any = None
     annotator: Any = None
+    llm: Any = None
     wake_annotator: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class LLMEndpoint:
+    """Where a reward type's own LLM requests go: OpenAI-compatible base URLs and the model."""
+
+    urls: Tuple[str, ...]
+    model: str
+    api_key: Optional[str] = None
 
 
 @dataclass
@@ -77,6 +91,9 @@ class RewardParts:
         stateful: further objects with ``state_dict``/``load_state_dict`` kept in checkpoints, by name.
         metrics: ``metrics() -> dict`` of type-specific numbers for the logs.
         close: called once at the end of the run.
+        env_transforms: TorchRL transforms appended to every env worker's env (and the env the
+            networks are built from): observations the policy must see at acting time, e.g.
+            ELLM's goal embedding. They must be picklable.
     """
 
     reward: Optional[Callable] = None
@@ -87,6 +104,7 @@ class RewardParts:
     stateful: Optional[Dict[str, Any]] = None
     metrics: Optional[Callable[[], Dict[str, float]]] = None
     close: Optional[Callable[[], None]] = None
+    env_transforms: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,7 @@ class RewardType:
     pairs: bool = False
     settings: Optional[type] = None
     check: Optional[Callable[[Any], None]] = None
+    llm: bool = False
 
     @property
     def needs_annotator(self) -> bool:
@@ -109,7 +128,7 @@ _DISCOVERED = False
 _LOCK = threading.RLock()
 
 
-def register_reward(name: str, *, help: str = "", labels: bool = False, pairs: bool = False,
+def register_reward(name: str, *, help: str = "", labels: bool = False, pairs: bool = False, llm: bool = False,
                     settings: Optional[type] = None, check: Optional[Callable[[Any], None]] = None):
     """Decorator registering ``build`` as the reward type ``name`` (see the module docstring)."""
     if name == "none" or not name.replace("-", "").isalnum():
@@ -121,7 +140,7 @@ def register_reward(name: str, *, help: str = "", labels: bool = False, pairs: b
             raise ValueError(f"reward type {name!r} is registered twice")
         if settings is not None and getattr(settings, "PREFIX", None) != name.replace("-", "_"):
             raise ValueError(f"settings of reward type {name!r} need PREFIX = {name.replace('-', '_')!r}")
-        _REGISTRY[name] = RewardType(name, build, help, labels, pairs, settings, check)
+        _REGISTRY[name] = RewardType(name, build, help, labels, pairs, settings, check, llm)
         return build
 
     return decorate

@@ -42,6 +42,7 @@ from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torchrl.modules import GRUModule, LSTMModule, ProbabilisticActor
 
+from ..captions import GOAL_EMBEDDING_KEY
 from ..envs.batched import OFF_MAP_GLYPH
 
 __all__ = ["ARCHS", "BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "POLICY_IN_KEYS"]
@@ -84,25 +85,28 @@ class LightNet(nn.Module):
     About 70k multiply-adds per sample, so that learning keeps up with collection on 2 cores.
     """
 
-    def __init__(self, crop_size: int, out_dim: int, hidden: int = 128):
+    def __init__(self, crop_size: int, out_dim: int, hidden: int = 128, goal_dim: int = 0):
         super().__init__()
         self.crop = CropEmbedding(dim=8)
         self.crop_proj = nn.Linear(self.crop.dim * crop_size * crop_size, 64)
         self.stats = nn.Linear(27, 32)
         self.msg = nn.Linear(256, 32)
-        self.mlp = nn.Sequential(nn.ELU(), nn.Linear(128, hidden), nn.ELU(), nn.Linear(hidden, out_dim))
+        self.goal = nn.Linear(goal_dim, 32) if goal_dim else None
+        self.mlp = nn.Sequential(nn.ELU(), nn.Linear(128 + (32 if goal_dim else 0), hidden), nn.ELU(),
+                                 nn.Linear(hidden, out_dim))
 
-    def forward(self, crop, blstats, message):
-        crop_f = self.crop_proj(self.crop(crop).flatten(-3))
-        stats_f = self.stats(scale_blstats(blstats))
-        msg_f = self.msg(message.float() / 255.0)
-        return self.mlp(torch.cat([crop_f, stats_f, msg_f], -1))
+    def forward(self, crop, blstats, message, goal=None):
+        features = [self.crop_proj(self.crop(crop).flatten(-3)), self.stats(scale_blstats(blstats)),
+                    self.msg(message.float() / 255.0)]
+        if self.goal is not None:
+            features.append(self.goal(goal.float()))
+        return self.mlp(torch.cat(features, -1))
 
 
 class ONIEncoder(nn.Module):
     """ONI §5.2 encoder before the core: crop conv net, blstats MLP (+ raw), message MLP."""
 
-    def __init__(self, crop_size: int, hidden: int = 512):
+    def __init__(self, crop_size: int, hidden: int = 512, goal_dim: int = 0):
         super().__init__()
         self.crop = CropEmbedding(dim=24)
         self.conv = nn.Sequential(
@@ -114,14 +118,18 @@ class ONIEncoder(nn.Module):
         self.conv_fc = nn.Sequential(nn.Linear(64 * side * side, hidden), nn.ELU())
         self.stats = nn.Sequential(nn.Linear(27, 128), nn.ELU(), nn.Linear(128, 128), nn.ELU())
         self.msg = nn.Sequential(nn.Linear(256, 128), nn.ELU(), nn.Linear(128, 128), nn.ELU())
-        self.out_dim = hidden + 128 + 27 + 128
+        self.goal = nn.Sequential(nn.Linear(goal_dim, 128), nn.ELU()) if goal_dim else None
+        self.out_dim = hidden + 128 + 27 + 128 + (128 if goal_dim else 0)
 
-    def forward(self, crop, blstats, message):
+    def forward(self, crop, blstats, message, goal=None):
         lead = crop.shape[:-2]
         x = self.crop(crop).reshape(-1, self.crop.dim, *crop.shape[-2:])
         img = self.conv_fc(self.conv(x).flatten(1)).reshape(*lead, -1)
         stats = scale_blstats(blstats)
-        return torch.cat([img, self.stats(stats), stats, self.msg(message.float() / 255.0)], -1)
+        features = [img, self.stats(stats), stats, self.msg(message.float() / 255.0)]
+        if self.goal is not None:
+            features.append(self.goal(goal.float()))
+        return torch.cat(features, -1)
 
 
 def _orthogonal_init(module: nn.Module) -> None:
@@ -175,28 +183,32 @@ def make_actor_critic(
     n_actions = int(env.action_spec.space.n)
     crop_size = int(env.observation_spec["crop"].shape[-1])
     value_keys = _value_keys(value_heads)
+    # an env that carries a goal embedding (ELLM's goal-conditioned variant) feeds it to both networks
+    spec = env.observation_spec
+    goal_dim = int(spec[GOAL_EMBEDDING_KEY].shape[-1]) if GOAL_EMBEDDING_KEY in spec.keys() else 0
+    in_keys = POLICY_IN_KEYS + ([GOAL_EMBEDDING_KEY] if goal_dim else [])
     if arch == "light":
-        policy_net = LightNet(crop_size, n_actions, hidden)
-        value_net = LightNet(crop_size, value_heads, hidden)
+        policy_net = LightNet(crop_size, n_actions, hidden, goal_dim=goal_dim)
+        value_net = LightNet(crop_size, value_heads, hidden, goal_dim=goal_dim)
         _orthogonal_init(policy_net)
         _orthogonal_init(value_net)
         with torch.no_grad():  # near-uniform initial policy
             policy_net.mlp[-1].weight.mul_(0.01)
         actor = _make_actor(
-            TensorDictModule(policy_net, in_keys=POLICY_IN_KEYS, out_keys=["logits"]), POLICY_IN_KEYS, env.action_spec
+            TensorDictModule(policy_net, in_keys=in_keys, out_keys=["logits"]), in_keys, env.action_spec
         )
         critic = TensorDictSequential(
-            TensorDictModule(value_net, in_keys=POLICY_IN_KEYS, out_keys=["_values"]),
+            TensorDictModule(value_net, in_keys=in_keys, out_keys=["_values"]),
             TensorDictModule(_SplitValues(value_heads), in_keys=["_values"], out_keys=value_keys),
         )
         return actor, critic
     if arch in RECURRENT_ARCHS:
-        encoder = ONIEncoder(crop_size)
+        encoder = ONIEncoder(crop_size, goal_dim=goal_dim)
         _orthogonal_init(encoder)
         core_cls = GRUModule if arch == "oni" else LSTMModule
         core = core_cls(input_size=encoder.out_dim, hidden_size=512, in_key="features", out_key="core")
         common = TensorDictSequential(
-            TensorDictModule(encoder, in_keys=POLICY_IN_KEYS, out_keys=["features"]),
+            TensorDictModule(encoder, in_keys=in_keys, out_keys=["features"]),
             core,
         )
         policy_head = nn.Linear(512, n_actions)
@@ -206,7 +218,7 @@ def make_actor_critic(
         with torch.no_grad():
             policy_head.weight.mul_(0.01)
         actor_body = TensorDictSequential(common, TensorDictModule(policy_head, in_keys=["core"], out_keys=["logits"]))
-        actor = _make_actor(actor_body, POLICY_IN_KEYS, env.action_spec)
+        actor = _make_actor(actor_body, in_keys, env.action_spec)
         critic = TensorDictSequential(
             common,
             TensorDictModule(value_head, in_keys=["core"], out_keys=["_values"]),
