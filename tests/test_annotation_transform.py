@@ -334,3 +334,135 @@ def test_transformed_env_without_labelled_key_keeps_specs():
         check_env_specs(env)
     finally:
         env.close()
+
+
+# ------------------------------------------------------------------------------------ budgets, query rules, people
+def _store_with(texts_seen, **kwargs):
+    """A store holding ``texts_seen`` (text -> times seen), added in that order."""
+    store = CaptionStore(capacity=64, **kwargs)
+    for text, n in texts_seen.items():
+        msgs, hashes = _batch([text] * n, (n,))
+        store.add(msgs, hashes)
+    return store
+
+
+def _wait_for(predicate, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("failure,labelled,refunded", [("server fault", 3, 3), ("unparsable", 0, 0)])
+def test_label_budget_through_the_worker(failure, labelled, refunded):
+    from torchrl_oni.active import LabelBudget, SelectiveClaim
+
+    texts = {f"You kill monster number {i}!": i + 1 for i in range(10)}
+    store = _store_with(texts, server_retry_s=0.0, retry_backoff_s=0.0)
+    if failure == "server fault":
+        annotator = KillAnnotator(raise_calls=1)  # the first request fails for a server reason
+    else:
+        annotator = KillAnnotator(fail_calls=1, error="unparsable")  # the first answer cannot be parsed
+    budget = LabelBudget(per_million=1000)  # one label per 1,000 frames
+    claim = SelectiveClaim(store, "frequency", budget=budget)
+    with LLMAnnotationTransform(store, annotator, claim=claim, poll_interval_s=0.02) as transform:
+        transform.start()
+        assert transform.wait_idle(TIMEOUT)
+        assert store.stats()["labelled"] == 0 and annotator.calls == 0  # frame 0: nothing may be bought
+        claim.set_frames(3000)
+        transform.worker.wake()
+        assert _wait_for(lambda: budget.spent == 3 and not store.pending().numel() and annotator.calls >= 1)
+        assert transform.wait_idle(TIMEOUT)
+        metrics = transform.metrics()
+        # a server fault costs nothing (the captions are asked again within the budget); an
+        # unparsable answer was paid for: nothing is labelled until more frames earn budget
+        assert store.stats()["labelled"] == labelled and budget.spent == 3
+        assert claim.refunded_total == refunded and claim.metrics()["outstanding"] == 0
+        assert metrics["labels_total"] == labelled
+        claim.set_frames(5000)
+        transform.worker.wake()
+        assert _wait_for(lambda: store.stats()["labelled"] == labelled + 2 and not store.pending().numel())
+        assert budget.spent == 5 and claim.claimed_total == 5 + refunded
+    # the most seen were bought first; after an unparsable answer the same (most seen) are asked again
+    top = sorted(texts, key=texts.get, reverse=True)
+    asked = {t for b in annotator.batches for t in b}
+    assert asked == set(top[:5] if failure == "server fault" else top[:3])
+
+
+RULE_TEXTS = {"A": 1, "B": 5, "C": 3, "D": 4, "E": 2}  # arrival order A..E, with these sightings
+RULE_PROBS = {"A": [0.5, 0.5], "B": [0.1, 0.1], "C": [0.0, 1.0], "D": [0.2, 0.6], "E": [0.9, 0.7]}
+RULE_ORDERS = {
+    "fifo": ["A", "B", "C", "D", "E"],
+    "frequency": ["B", "D", "C", "E", "A"],
+    "disagree": ["C", "D", "E", "A", "B"],  # std .5, .2, .1, then the ties (0) oldest first
+    "entropy": ["A", "C", "D", "E", "B"],  # mean .5 (A, C: oldest first), .4, .8, .1
+}
+
+
+def _asked_in_order(rule, seed=0):
+    from torchrl_oni.active import SelectiveClaim
+    from torchrl_oni.captions import decode_messages
+
+    store = _store_with(RULE_TEXTS)
+    annotator = KillAnnotator()
+
+    def member_probs(messages):
+        return torch.tensor([RULE_PROBS[t] for t in decode_messages(messages.numpy())])
+
+    claim = SelectiveClaim(store, rule, member_probs=member_probs, seed=seed)
+    with LLMAnnotationTransform(store, annotator, claim=claim, batch_size=1, max_concurrency=1) as transform:
+        transform.start()
+        assert transform.wait_idle(TIMEOUT)
+    assert all(len(b) == 1 for b in annotator.batches)
+    return [b[0] for b in annotator.batches]
+
+
+@pytest.mark.parametrize("rule", sorted(RULE_ORDERS))
+def test_each_query_rule_orders_the_workers_requests(rule):
+    assert _asked_in_order(rule) == RULE_ORDERS[rule]
+
+
+def test_uniform_query_rule_through_the_worker_is_a_seeded_shuffle():
+    first, again, other = _asked_in_order("uniform", 0), _asked_in_order("uniform", 0), _asked_in_order("uniform", 1)
+    assert sorted(first) == sorted(RULE_TEXTS) and first == again and other != first
+
+
+def test_a_late_llm_answer_never_replaces_a_persons_label():
+    gate = threading.Event()
+    annotator = KillAnnotator(gate=gate)
+    store = CaptionStore(capacity=16)
+    msgs, hashes = _batch(TEXTS[:2], (2,))
+    person = Provenance("human", "ada", "feedback-v1")
+    with LLMAnnotationTransform(store, annotator) as transform:
+        transform(TensorDict(message=msgs, caption_hash=hashes, batch_size=[2]))
+        assert annotator.started.wait(TIMEOUT)  # both captions are with the LLM now
+        store.set_labels(hashes[:1], [0.0], person)  # a person answers meanwhile ("kill" is progress for the LLM)
+        gate.set()
+        assert transform.wait_idle(TIMEOUT)
+        metrics = transform.metrics()
+    assert store.lookup(hashes)[0].tolist() == [0.0, 0.0]
+    assert metrics["labels_total"] == 1  # only the LLM label that was written counts
+
+
+def test_a_failing_selection_rule_loses_nothing_and_keeps_the_worker_alive():
+    from torchrl_oni.active import SelectiveClaim
+
+    store = _store_with(RULE_TEXTS)
+    calls = {"n": 0}
+
+    def flaky_member_probs(messages):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise RuntimeError("the reward model is being swapped")
+        return torch.rand(len(messages), 2)
+
+    annotator = KillAnnotator()
+    claim = SelectiveClaim(store, "disagree", member_probs=flaky_member_probs)
+    with LLMAnnotationTransform(store, annotator, claim=claim, poll_interval_s=0.02) as transform:
+        transform.start()
+        assert _wait_for(lambda: store.stats()["labelled"] == len(RULE_TEXTS))
+        metrics = transform.metrics()
+    assert metrics["claim_errors"] == 2 and metrics["worker_running"] == 1.0
+    assert store.stats()["pending"] == 0

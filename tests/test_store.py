@@ -449,3 +449,146 @@ def test_concurrent_labelling_and_adding():
     labels, found = store.lookup(hashes)
     assert found.all() and (labels == 1.0).all()
     assert store.stats()["labelled"] == len(store) == 3000
+
+
+# ------------------------------------------------------------------------------------ people first, skips, rows
+HUMAN_PROV = Provenance("human", "ada", "feedback-v1")
+
+
+def _row(store, h, field):
+    slot = int(store.slots([h])[0])
+    return store.caption_rows([slot], [field])[field][0].item()
+
+
+def test_a_human_label_is_kept_over_later_non_human_ones(tmp_path):
+    store = CaptionStore(capacity=8)
+    msgs, hashes = _batch(["a", "b", "c"])
+    store.add(msgs, hashes)
+    assert store.set_labels(hashes[:2], [1.0, 0.0], HUMAN_PROV).tolist() == [True, True]
+    # an LLM answer arriving later, mixed with one for an unlabelled caption and one unknown hash
+    unknown = torch.tensor([12345])
+    got = store.set_labels(torch.cat([hashes, unknown]), [0.0, 1.0, 1.0, 1.0], PROV)
+    assert got.tolist() == [False, False, True, False]
+    labels, found = store.lookup(hashes)
+    assert labels.tolist() == [1.0, 0.0, 1.0] and found.all()
+    annotators = [store.provenances[_row(store, int(h), "provenance")].annotator for h in hashes]
+    assert annotators == ["human", "human", "test"]
+    # a person may correct a person, and overwrite the LLM
+    other = Provenance("human", "grace", "feedback-v1")
+    assert store.set_labels(hashes, [0.0, 1.0, 0.0], other).tolist() == [True, True, True]
+    assert store.lookup(hashes)[0].tolist() == [0.0, 1.0, 0.0]
+    # one call with provenances per hash: only the non-human one over a human row is refused
+    assert store.set_labels(hashes[:2], [1.0, 0.0], [HUMAN_PROV, PROV]).tolist() == [True, False]
+    # failures never erase a person's label either
+    assert store.mark_failed(hashes[:1], "unparsable").tolist() == [False]
+    assert store.lookup(hashes[:1])[0].tolist() == [1.0]
+    # precedence survives a save/load (the human ids are rebuilt from the provenance table)
+    again = CaptionStore.load(store.save(tmp_path / "s.pt"))
+    assert again.set_labels(hashes[:1], [0.0], PROV).tolist() == [False]
+    human_ids = [store.provenances.index(HUMAN_PROV), store.provenances.index(other)]
+    assert again.provenance_ids("human").tolist() == human_ids
+    assert again.count_by("human") == {"captions": 3, "pairs": 0}
+
+
+def test_a_human_preference_is_kept_over_later_non_human_ones():
+    store = CaptionStore(capacity=8)
+    msgs, hashes = _batch(["a", "b", "c"])
+    store.add(msgs, hashes)
+    slots = store.add_pairs(hashes[:2], hashes[1:])
+    store.set_preferences(slots[:1], [FIRST], HUMAN_PROV)
+    assert store.set_preferences(slots, [SECOND, TIE], PROV).tolist() == [False, True]
+    assert store.pair_rows(slots)["preference"].tolist() == [FIRST, TIE]
+    assert store.count_by("human") == {"captions": 0, "pairs": 1}
+    assert store.pair_slots(exclude_annotator="human").tolist() == [int(slots[1])]
+
+
+@pytest.mark.parametrize("how", ["kind", "final"])
+def test_a_skip_is_final_and_counted(tmp_path, how):
+    store = CaptionStore(capacity=8, server_retry_s=0.0, retry_backoff_s=0.0)
+    msgs, hashes = _batch(["a", "b"])
+    store.add(msgs, hashes)
+    claimed, _ = store.claim(2)
+    if how == "kind":
+        gave_up = store.mark_failed(claimed[:1], store_module.SKIP_ERROR)
+    else:
+        gave_up = store.mark_failed(claimed[:1], "declined by the teacher", final=True)
+    assert gave_up.tolist() == [True]
+    store.mark_failed(claimed[1:], "timeout")  # a server fault: back to the queue
+    stats = store.stats()
+    assert stats["skipped"] == 1 and stats["given_up"] == 0 and stats["unseen"] == 1
+    assert store.claim(5)[0].tolist() == claimed[1:].tolist()  # the skipped caption is never handed out again
+    assert store.requeue_server_failures() == 0 and store.retry_failed() == 0
+    assert store.given_up() == []  # not an unparsable caption
+    assert store.mark_failed(claimed[:1], "unparsable").tolist() == [False]  # a late failure changes nothing
+    again = CaptionStore.load(store.save(tmp_path / "s.pt"))
+    assert again.stats()["skipped"] == 1 and again.claim(5)[1] == ["b"]
+    # pairs too
+    pair = store.add_pairs(hashes[:1], hashes[1:])
+    got, _ = store.claim_pairs(1)
+    store.mark_pairs_failed(got, store_module.SKIP_ERROR)
+    assert store.stats()["pairs_skipped"] == 1 and store.claim_pairs(1)[1] == [] and got.tolist() == pair.tolist()
+
+
+def test_row_reads_and_compare_and_set_restores():
+    store = CaptionStore(capacity=8)
+    msgs, hashes = _batch(["", "a", "b", "c", "a"])
+    store.add(msgs, hashes)  # slots: "" 0, a 1, b 2, c 3
+    store.set_labels(hashes[1:2], [1.0], PROV, scores=[0.9])
+    store.set_labels(hashes[2:3], [0.0], HUMAN_PROV)
+    assert store.caption_slots().tolist() == [0, 1, 2, 3]
+    assert store.caption_slots(nonempty=True, exclude_annotator="human").tolist() == [1, 3]
+    assert store.caption_slots(status=store_module.LABELLED).tolist() == [1, 2]
+    rows = store.caption_rows([3, 1])
+    assert set(rows.keys()) == set(CaptionStore.CAPTION_ROW_FIELDS)
+    assert rows["caption_hash"].tolist() == [int(hashes[3]), int(hashes[1])]
+    assert rows["times_seen"].tolist() == [1, 2] and rows["score"][1].item() == pytest.approx(0.9)
+    assert decode_message(rows["message"][1].numpy()) == "a"
+    assert store.slots_to_hashes([1, 2]).tolist() == hashes[1:3].tolist()
+    with pytest.raises(ValueError, match="caption slots"):
+        store.caption_rows([9])
+    with pytest.raises(KeyError, match="unknown caption fields"):
+        store.caption_rows([0], ["colour"])
+    # undo of a person's label: only while the store still holds what the person wrote
+    before = store.caption_rows([1])[0]
+    store.set_labels(hashes[1:2], [0.0], HUMAN_PROV)
+    pid = store.provenances.index(HUMAN_PROV)
+    assert not store.restore_label(int(hashes[1]), before, expect_provenance=pid, expect_label=1.0)
+    assert store.restore_label(int(hashes[1]), before, expect_provenance=pid, expect_label=0.0)
+    assert store.lookup(hashes[1:2])[0].tolist() == [1.0] and _row(store, int(hashes[1]), "score") == pytest.approx(0.9)
+    assert store.provenances[_row(store, int(hashes[1]), "provenance")] == PROV
+    assert not store.restore_label(99, before, expect_provenance=pid, expect_label=0.0)  # unknown caption
+    # a caption that was with the LLM when the person answered goes back to the queue on undo
+    pending_h, _ = store.claim(1)
+    pending_before = store.caption_rows(store.slots(pending_h))[0]
+    store.set_labels(pending_h, [1.0], HUMAN_PROV)
+    assert store.restore_label(int(pending_h[0]), pending_before, expect_provenance=pid, expect_label=1.0)
+    assert _row(store, int(pending_h[0]), "status") == store_module.UNSEEN
+    # pairs
+    slots = store.add_pairs(hashes[1:3], hashes[2:4])
+    assert store.num_pairs == 2
+    rows = store.pair_rows(slots)
+    assert set(rows.keys()) == set(CaptionStore.PAIR_ROW_FIELDS)
+    assert rows["caption_hash_a"].tolist() == hashes[1:3].tolist() and rows["times_seen_b"].tolist() == [1, 1]
+    pair_before = store.pair_rows(slots[:1])[0]
+    store.set_preferences(slots[:1], [SECOND], HUMAN_PROV)
+    assert store.restore_preference(int(slots[0]), pair_before, expect_provenance=pid, expect_preference=SECOND)
+    assert store.pair_rows(slots[:1])["status"].tolist() == [store_module.UNSEEN]
+    assert np.isnan(store.pair_rows(slots[:1])["preference"][0].item())
+
+
+def test_sample_unlabelled_draws_distinct_unlabelled_captions():
+    store = CaptionStore(capacity=64)
+    msgs, hashes = _random_captions(40, seed=3)
+    store.add(msgs, hashes)
+    store.set_labels(hashes[:25], 1.0, PROV)
+    unlabelled = {int(h) for h in hashes[25:]}
+    got = store.sample_unlabelled(10, np.random.default_rng(0))
+    got_hashes = [int(h) for h in hash_messages(got.numpy())]
+    assert got.dtype == torch.uint8 and got.shape == (10, MESSAGE_LEN)
+    assert len(set(got_hashes)) == 10 and set(got_hashes) <= unlabelled
+    again = store.sample_unlabelled(10, np.random.default_rng(0))
+    assert torch.equal(got, again)  # seeded
+    everything = store.sample_unlabelled(100, np.random.default_rng(1))
+    assert {int(h) for h in hash_messages(everything.numpy())} == unlabelled  # k <= n: all 15
+    store.set_labels(hashes, 0.0, PROV)
+    assert store.sample_unlabelled(5).shape == (0, MESSAGE_LEN)

@@ -57,7 +57,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -67,11 +67,18 @@ from torchrl.envs.transforms import Transform
 
 from torchrl_oni.annotators.base import Annotator
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, hash_messages
-from torchrl_oni.store import CaptionStore, is_parse_failure
+from torchrl_oni.store import CaptionStore, is_parse_failure, is_skip
 
-__all__ = ["AnnotationWorker", "LLMAnnotationTransform"]
+__all__ = ["AnnotationWorker", "LLMAnnotationTransform", "Claim"]
 
 logger = logging.getLogger(__name__)
+
+# What the worker calls for captions to label: ``claim(max_items) -> (hashes LongTensor[n], texts)``,
+# marking them pending in the store (``CaptionStore.claim``, or a budgeted, selective
+# :class:`~torchrl_oni.active.SelectiveClaim`). Optional methods, called when present:
+# ``refund(hashes)`` for claimed captions that cost nothing after all (a server fault, a call
+# cancelled at shutdown) and ``settle(hashes)`` for those paid for (labelled, unparsable, skipped).
+Claim = Callable[[int], Tuple[torch.Tensor, List[str]]]
 
 _COPY_ERROR = (
     "{cls} cannot be copied or pickled: it owns a background thread and shares a CaptionStore. "
@@ -126,6 +133,14 @@ class AnnotationWorker:
             which would otherwise pay for a label of every caption first).
         close_annotator (bool): await ``annotator.aclose()`` when the worker stops.
         log_interval_s (float): failures are summarised in the log at most this often.
+        claim (callable, optional): used instead of ``store.claim`` to pick the captions to
+            label (see :data:`Claim`): e.g. :class:`~torchrl_oni.active.SelectiveClaim`, which
+            applies a label budget and a query-selection rule.
+
+    A labeller that declines a caption (error kind ``"skip"``: a
+    :class:`~torchrl_oni.annotators.teacher.SimulatedTeacher`, a person) has answered for good:
+    the store marks it skipped, it is not asked (nor paid for) again, and ``metrics()["skipped"]``
+    counts it.
 
     Example:
         >>> from torchrl_oni.annotators.base import Label, Provenance
@@ -159,11 +174,15 @@ class AnnotationWorker:
         captions: bool = True,
         close_annotator: bool = False,
         log_interval_s: float = 60.0,
+        claim: Optional[Claim] = None,
     ):
         if batch_size < 1 or max_concurrency < 1:
             raise ValueError("batch_size and max_concurrency must be >= 1")
+        if claim is not None and not callable(claim):
+            raise TypeError(f"claim must be callable (max_items -> (hashes, texts)), got {type(claim).__name__}")
         self.captions = bool(captions)
         self.store = store
+        self.claim = claim if claim is not None else store.claim
         self.annotator = annotator
         self.batch_size = int(batch_size)
         self.max_concurrency = int(max_concurrency)
@@ -195,6 +214,9 @@ class AnnotationWorker:
         self.preferences_total = 0
         self.requests_total = 0
         self.parse_failures = 0
+        self.skipped = 0
+        self.claim_errors = 0
+        self._last_claim_error_log = float("-inf")
         self.caption_server_failures = 0
         self.requeued_total = 0
         self.failures_by_kind: Dict[str, int] = {}
@@ -263,7 +285,9 @@ class AnnotationWorker:
 
         Worker: ``labels_per_s`` (labels and preferences, last minute), ``labels_total``,
         ``preferences_total``, ``requests_total`` (calls answered), ``in_flight``,
-        ``parse_failures`` (captions and pairs answered unparsably), ``caption_server_failures``
+        ``parse_failures`` (captions and pairs answered unparsably), ``skipped`` (declined by the
+        labeller: final), ``claim_errors`` (a ``claim`` callable that raised: nothing claimed that
+        round), ``caption_server_failures``
         (captions and pairs sent back to the queue for a server reason), ``requeued_total``
         (put back in the queue when the server recovered or the worker started),
         ``latency_s`` (mean of the last 100 calls), ``latency_max_s``, ``worker_running``.
@@ -294,6 +318,8 @@ class AnnotationWorker:
                 "requests_total": self.requests_total,
                 "in_flight": self._in_flight,
                 "parse_failures": self.parse_failures,
+                "skipped": self.skipped,
+                "claim_errors": self.claim_errors,
                 "caption_server_failures": self.caption_server_failures,
                 "requeued_total": self.requeued_total,
                 "latency_s": float(np.mean(latencies)) if latencies else 0.0,
@@ -404,13 +430,16 @@ class AnnotationWorker:
         now = time.monotonic()
         with self._metrics_lock:
             for kind in kinds:
+                if is_skip(kind):
+                    self.skipped += 1
+                    continue  # an answer, not a failure: not in the failure log or the health line
                 if is_parse_failure(kind):
                     self.parse_failures += 1
                 else:
                     self.caption_server_failures += 1
                 self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
                 self._unlogged_failures[kind] = self._unlogged_failures.get(kind, 0) + 1
-            for kind in set(kinds):
+            for kind in set(kinds) - {k for k in kinds if is_skip(k)}:
                 self._failure_times.append((now, kind, sum(1 for k in kinds if k == kind)))
         self._flush_failure_log()
 
@@ -517,7 +546,19 @@ class AnnotationWorker:
     def _next_task(self) -> Optional[asyncio.Task]:
         batch = max(1, min(self.batch_size, int(self._annotator_call("batch_hint", self.batch_size))))
         if self.captions:
-            hashes, texts = self.store.claim(batch)
+            try:
+                hashes, texts = self.claim(batch)
+            except Exception as err:  # noqa: BLE001 - a failing selection rule must not kill annotation
+                with self._metrics_lock:
+                    self.claim_errors += 1
+                    due = time.monotonic() - self._last_claim_error_log >= self.log_interval_s
+                    if due:
+                        self._last_claim_error_log = time.monotonic()
+                if due:
+                    logger.warning("annotation: choosing captions failed (%d times so far; nothing is lost, "
+                                   "retried next round): %s: %s", self.claim_errors, type(err).__name__,
+                                   _one_line(err))
+                hashes, texts = None, []
             if texts:
                 return asyncio.ensure_future(self._annotate(hashes, texts))
         if self.pairs:
@@ -526,37 +567,57 @@ class AnnotationWorker:
                 return asyncio.ensure_future(self._compare(slots, pairs))
         return None
 
+    def _claim_call(self, name: str, hashes: torch.Tensor) -> None:
+        """``claim.refund`` / ``claim.settle`` when the claim callable keeps accounts."""
+        fn = getattr(self.claim, name, None)
+        if callable(fn) and len(hashes):
+            try:
+                fn(hashes)
+            except Exception:  # noqa: BLE001 - accounting must never stop annotation
+                logger.exception("claim.%s() failed", name)
+
+    def _fail_captions(self, hashes: torch.Tensor, kind: str) -> None:
+        self.store.mark_failed(hashes, kind)
+        if is_parse_failure(kind) or is_skip(kind):
+            self._claim_call("settle", hashes)  # the labeller did the work
+        else:
+            self._claim_call("refund", hashes)  # a server fault costs nothing; asked again later
+
     async def _annotate(self, hashes: torch.Tensor, texts: List[str]) -> None:
         start = time.monotonic()
         try:
             labels = await self.annotator.annotate(texts)
         except asyncio.CancelledError:
             self.store.release(hashes)
+            self._claim_call("refund", hashes)
             raise
         except Exception as err:
             kind = type(err).__name__
-            self.store.mark_failed(hashes, kind)
+            self._fail_captions(hashes, kind)
             self._record_failures([kind] * len(texts))
             return
         if len(labels) != len(texts):
-            self.store.mark_failed(hashes, "wrong_count")
+            self._fail_captions(hashes, "wrong_count")
             self._record_failures(["wrong_count"] * len(texts))
             return
         ok = [i for i, label in enumerate(labels) if label.ok]
+        written = 0
         if ok:
-            self.store.set_labels(
+            # False where a person labelled the caption meanwhile: theirs stays
+            written = int(self.store.set_labels(
                 hashes[ok],
                 [labels[i].value for i in ok],
                 [labels[i].provenance for i in ok],
                 scores=[np.nan if labels[i].score is None else labels[i].score for i in ok],
-            )
+            ).sum())
+            self._claim_call("settle", hashes[ok])
         failed: Dict[str, List[int]] = {}
         for i, label in enumerate(labels):
             if not label.ok:
                 failed.setdefault(label.error or "no_value", []).append(i)
         for kind, idx in failed.items():
-            self.store.mark_failed(hashes[idx], kind)
-        self._record_success(len(ok), 0, time.monotonic() - start)
+            self._fail_captions(hashes[idx], kind)
+        self._record_success(written, 0, time.monotonic() - start)
         if failed:
             self._record_failures([k for k, idx in failed.items() for _ in idx])
 
@@ -577,15 +638,17 @@ class AnnotationWorker:
             self._record_failures(["wrong_count"] * len(pairs))
             return
         ok = [i for i, p in enumerate(prefs) if p.ok]
+        written = 0
         if ok:
-            self.store.set_preferences(slots[ok], [prefs[i].value for i in ok], [prefs[i].provenance for i in ok])
+            written = int(self.store.set_preferences(slots[ok], [prefs[i].value for i in ok],
+                                                     [prefs[i].provenance for i in ok]).sum())
         failed: Dict[str, List[int]] = {}
         for i, p in enumerate(prefs):
             if not p.ok:
                 failed.setdefault(p.error or "no_value", []).append(i)
         for kind, idx in failed.items():
             self.store.mark_pairs_failed(slots[idx], kind)
-        self._record_success(0, len(ok), time.monotonic() - start)
+        self._record_success(0, written, time.monotonic() - start)
         if failed:
             self._record_failures([k for k, idx in failed.items() for _ in idx])
 
@@ -620,8 +683,9 @@ class LLMAnnotationTransform(Transform):
         include_next (bool): also read ``("next", message_key)`` when present. Default True
             (terminal captions, e.g. death messages, only appear there).
         labelled_key (str, optional): write a bool "caption is labelled" entry under this key.
-        batch_size, max_concurrency, poll_interval_s, pairs, close_annotator, log_interval_s:
-            passed to :class:`AnnotationWorker`.
+        batch_size, max_concurrency, poll_interval_s, pairs, close_annotator, log_interval_s, claim:
+            passed to :class:`AnnotationWorker` (``claim``: e.g. a
+            :class:`~torchrl_oni.active.SelectiveClaim` for a label budget and query selection).
         coverage_window (int): number of recent calls over which ``coverage`` is measured.
         autostart (bool): start the worker on the first call (default). If False, call
             :meth:`start`.
@@ -668,6 +732,7 @@ class LLMAnnotationTransform(Transform):
         log_interval_s: float = 60.0,
         coverage_window: int = 32,
         autostart: bool = True,
+        claim: Optional[Claim] = None,
     ):
         super().__init__(in_keys=[hash_key, message_key], out_keys=[labelled_key] if labelled_key else [])
         self.store = store
@@ -686,6 +751,7 @@ class LLMAnnotationTransform(Transform):
             captions=captions,
             close_annotator=close_annotator,
             log_interval_s=log_interval_s,
+            claim=claim,
         )
         self._coverage: Deque[Tuple[int, int]] = collections.deque(maxlen=int(coverage_window))
         self._steps_seen = 0

@@ -14,7 +14,8 @@ field                     dtype / shape   meaning
 ``status``                int8            0 unseen, 1 pending, 2 labelled, 3 failed (stores
                                           written before server faults were told apart: put
                                           back in the queue by :meth:`~CaptionStore.requeue_server_failures`),
-                                          4 given up (its answers could not be parsed)
+                                          4 given up (its answers could not be parsed),
+                                          5 skipped (the labeller declined it: never asked again)
 ``times_seen``            int64           how many steps showed this caption
 ``attempts``              int16           answers that could not be parsed so far
 ``provenance``            int16           id into :attr:`CaptionStore.provenances`, -1 none
@@ -39,12 +40,28 @@ Life of a caption: ``add`` → unseen → ``claim`` → pending → ``set_labels
   resumed store);
 * **unparsable answers** count as attempts: after ``max_attempts`` of them the caption is
   *given up* (status 4), counted in ``stats()["given_up"]`` and listed by
-  :meth:`CaptionStore.given_up`.
+  :meth:`CaptionStore.given_up`;
+* **skips** (error kind :data:`SKIP_ERROR`, or ``final=True``): the labeller — a person, a
+  :class:`~torchrl_oni.annotators.teacher.SimulatedTeacher` — declined the caption. That answer
+  is final: the caption is *skipped* (status 5), counted in ``stats()["skipped"]``, and never
+  handed out (or paid for) again.
+
+**People first.** A label whose provenance says ``annotator="human"`` (:data:`HUMAN`: the
+labelling page, ``oni-label``) is never overwritten by a later non-human label or preference:
+:meth:`~CaptionStore.set_labels` and :meth:`~CaptionStore.set_preferences` leave such rows alone
+and return False for them (a person may still correct a person).
 
 Unseen captions are handed out most frequently seen first (``claim_order="most_seen"``), so
 the steps' coverage (``stats()["seen_coverage"]``) rises as fast as the server allows.
 ``release_pending`` (and :meth:`CaptionStore.load`) send pending captions back to unseen so no
 caption is lost when a run stops mid-annotation.
+
+Row-level reads for tools that show the store to people (the labelling page of
+:mod:`torchrl_oni.feedback`): :meth:`~CaptionStore.caption_slots` / :meth:`~CaptionStore.caption_rows`,
+:meth:`~CaptionStore.pair_slots` / :meth:`~CaptionStore.pair_rows`, :meth:`~CaptionStore.count_by`,
+and the compare-and-set undo :meth:`~CaptionStore.restore_label` /
+:meth:`~CaptionStore.restore_preference`. :meth:`~CaptionStore.sample_unlabelled` feeds SURF's
+pseudo-labels (:class:`~torchrl_oni.rewards.ensemble.EnsembleClassifierTrainer`).
 
 Example:
     >>> import torch
@@ -81,15 +98,21 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayB
 
 from torchrl_oni.atomic import UnreadableFileError, atomic_write, safe_torch_load
 from torchrl_oni.annotators.base import Provenance
+from torchrl_oni.annotators.teacher import SKIP_ERROR
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_messages, hash_messages
 
-__all__ = ["CaptionStore", "UNSEEN", "PENDING", "LABELLED", "FAILED", "GIVEN_UP", "is_parse_failure"]
+__all__ = ["CaptionStore", "UNSEEN", "PENDING", "LABELLED", "FAILED", "GIVEN_UP", "SKIPPED", "HUMAN",
+           "SKIP_ERROR", "is_parse_failure", "is_skip"]
 
 # FAILED is only found in stores written before server faults were told apart from unparsable
 # answers (such captions were given up after 3 server errors); new code never writes it.
-UNSEEN, PENDING, LABELLED, FAILED, GIVEN_UP = 0, 1, 2, 3, 4
+UNSEEN, PENDING, LABELLED, FAILED, GIVEN_UP, SKIPPED = 0, 1, 2, 3, 4, 5
 STATUS_NAMES = {UNSEEN: "unseen", PENDING: "pending", LABELLED: "labelled", FAILED: "failed",
-                GIVEN_UP: "given up"}
+                GIVEN_UP: "given up", SKIPPED: "skipped"}
+_N_STATUS = len(STATUS_NAMES)
+
+# Provenance.annotator of people's answers: kept over any later non-human label.
+HUMAN = "human"
 
 # Longest wait before a caption that failed for a server reason is handed out again.
 _MAX_SERVER_RETRY_S = 300.0
@@ -106,6 +129,16 @@ def is_parse_failure(error_kind: str) -> bool:
         (True, False)
     """
     return "pars" in error_kind.lower()
+
+
+def is_skip(error_kind: str) -> bool:
+    """True for a labeller's refusal to answer (:data:`SKIP_ERROR`): final, never retried.
+
+    Example:
+        >>> is_skip("skip"), is_skip("timeout")
+        (True, False)
+    """
+    return error_kind == SKIP_ERROR
 
 _FORMAT = "torchrl_oni.CaptionStore"
 _VERSION = 1
@@ -365,6 +398,7 @@ class CaptionStore:
         self._pair_index: Dict[Tuple[int, int], int] = {}
         self._provenances: List[Provenance] = []
         self._provenance_ids: Dict[Provenance, int] = {}
+        self._human_ids = np.empty(0, dtype=np.int16)  # provenance ids of people's answers
         # slot -> monotonic time before which a failed caption is not handed out again, for
         # unparsable answers (kept until the caption is labelled) and for server faults (dropped
         # by requeue_server_failures), with the count of server faults in a row per slot.
@@ -415,7 +449,22 @@ class CaptionStore:
                 raise ValueError("too many distinct provenances (max 32767) in one CaptionStore")
             self._provenances.append(provenance)
             self._provenance_ids[provenance] = pid
+            if provenance.annotator == HUMAN:
+                self._human_ids = np.append(self._human_ids, np.int16(pid))
         return pid
+
+    def provenance_ids(self, annotator: str) -> np.ndarray:
+        """``int16`` ids (into :attr:`provenances`) of every provenance whose ``annotator`` is this."""
+        with self._lock:
+            if annotator == HUMAN:
+                return self._human_ids.copy()
+            return np.array([i for i, p in enumerate(self._provenances) if p.annotator == annotator], dtype=np.int16)
+
+    def _protected(self, current_pids: np.ndarray, incoming_pids: np.ndarray) -> np.ndarray:
+        """Rows holding a person's answer that a non-human answer would overwrite (lock held)."""
+        if not len(self._human_ids):
+            return np.zeros(len(current_pids), dtype=bool)
+        return np.isin(current_pids, self._human_ids) & ~np.isin(incoming_pids, self._human_ids)
 
     def _provenance_ids_for(self, provenance, n: int) -> np.ndarray:
         if isinstance(provenance, Provenance):
@@ -586,7 +635,8 @@ class CaptionStore:
         provenance: Union[Provenance, Sequence[Provenance]],
         scores: Optional[ArrayLike] = None,
     ) -> torch.Tensor:
-        """Stores labels (a later label overwrites an earlier one).
+        """Stores labels. A later label overwrites an earlier one, except that a person's label
+        (provenance ``annotator="human"``) is only ever replaced by another person's.
 
         Args:
             hashes: caption hashes (any shape).
@@ -595,7 +645,20 @@ class CaptionStore:
             scores: optional annotator probabilities (NaN where none).
 
         Returns:
-            a BoolTensor shaped like ``hashes``: False for hashes not in the store (ignored).
+            a BoolTensor shaped like ``hashes``: True where the label was written; False for
+            hashes not in the store and for captions a person labelled (both left alone).
+
+        Example:
+            >>> from torchrl_oni.captions import encode_messages, hash_messages
+            >>> store = CaptionStore(capacity=4)
+            >>> h = hash_messages(encode_messages(["It's a wall."]))
+            >>> _ = store.add(encode_messages(["It's a wall."]), h)
+            >>> store.set_labels(h, [1.0], Provenance(HUMAN, "ada")).tolist()
+            [True]
+            >>> store.set_labels(h, [0.0], Provenance("openai", "llama")).tolist()   # a late LLM answer
+            [False]
+            >>> store.lookup(h)[0].tolist()
+            [1.0]
         """
         shape = _shape_of(hashes)
         flat = _to_numpy(hashes, np.int64).reshape(-1)
@@ -609,34 +672,45 @@ class CaptionStore:
         with self._lock:
             pids = self._provenance_ids_for(provenance, len(flat))
             slots = self._index.find(flat)
-            known = slots >= 0
-            s = slots[known]
             cols = self._captions.cols
-            cols["label"][s] = values[known]
-            cols["score"][s] = score_values[known]
+            written = slots >= 0
+            idx = np.flatnonzero(written)
+            protected = self._protected(cols["provenance"][slots[idx]], pids[idx])
+            written[idx[protected]] = False
+            s = slots[written]
+            cols["label"][s] = values[written]
+            cols["score"][s] = score_values[written]
             cols["status"][s] = LABELLED
-            cols["provenance"][s] = pids[known]
+            cols["provenance"][s] = pids[written]
             if self._retry_at:
                 for slot in s.tolist():
                     self._retry_at.pop(slot, None)
-        return torch.from_numpy(known).reshape(shape)
+        return torch.from_numpy(written).reshape(shape)
 
     def _backoff(self, attempts: np.ndarray) -> np.ndarray:
         return np.minimum(self.retry_backoff_s * 2.0 ** (attempts.astype(np.float64) - 1), 3600.0)
 
     def _fail(self, table: "_Table", slots: np.ndarray, error_kind: str, parse_failure: Optional[bool],
               retry_at: Dict[int, float], server_retry_at: Dict[int, float],
-              server_faults: Dict[int, int]) -> Tuple[np.ndarray, np.ndarray]:
+              server_faults: Dict[int, int], final: Optional[bool] = None) -> Tuple[np.ndarray, np.ndarray]:
         """Records failed attempts on ``slots`` of ``table`` (lock held).
 
         Returns:
-            ``(slots that took the failure, mask of those given up)``.
+            ``(slots that took the failure, mask of those given up or skipped)``.
         """
         cols = table.cols
         status = cols["status"][slots]
-        slots = slots[(status != LABELLED) & (status != GIVEN_UP)]
+        slots = slots[(status != LABELLED) & (status != GIVEN_UP) & (status != SKIPPED)]
         self.error_counts[error_kind] = self.error_counts.get(error_kind, 0) + len(slots)
         now = time.monotonic()
+        if is_skip(error_kind) if final is None else final:
+            # the labeller declined: a final answer, neither retried nor paid for again
+            cols["status"][slots] = SKIPPED
+            for slot in slots.tolist():
+                retry_at.pop(slot, None)
+                server_retry_at.pop(slot, None)
+                server_faults.pop(slot, None)
+            return slots, np.ones(len(slots), dtype=bool)
         if not (is_parse_failure(error_kind) if parse_failure is None else parse_failure):
             # A server fault says nothing about the caption: back to the queue, no attempt spent.
             cols["status"][slots] = UNSEEN
@@ -658,17 +732,27 @@ class CaptionStore:
         return slots, give_up
 
     def mark_failed(self, hashes: ArrayLike, error_kind: str = "error", *,
-                    parse_failure: Optional[bool] = None) -> torch.Tensor:
+                    parse_failure: Optional[bool] = None, final: Optional[bool] = None) -> torch.Tensor:
         """Records a failed annotation attempt.
 
+        A skip (``final=True``, or by default the error kind :data:`SKIP_ERROR`) is the
+        labeller's final answer: the caption becomes *skipped* and is never handed out again.
         A server fault (any ``error_kind`` for which :func:`is_parse_failure` is False, unless
         ``parse_failure`` says otherwise) sends the caption back to unseen after a short backoff
         and spends no attempt. An unparsable answer spends one: the caption is retried after
         ``retry_backoff_s * 2 ** (k - 1)`` seconds, and given up after ``max_attempts``.
-        Labelled and given-up captions are left alone (a late failure never erases a label).
+        Labelled, given-up and skipped captions are left alone (a late failure never erases a label).
 
         Returns:
-            a BoolTensor shaped like ``hashes``: True where the caption was given up.
+            a BoolTensor shaped like ``hashes``: True where the caption was given up or skipped.
+
+        Example:
+            >>> from torchrl_oni.captions import encode_messages, hash_messages
+            >>> store = CaptionStore(capacity=4)
+            >>> _ = store.add(encode_messages(["It's a wall."]))
+            >>> hashes, _ = store.claim(1)
+            >>> store.mark_failed(hashes, SKIP_ERROR).tolist(), store.claim(1)[1], store.stats()["skipped"]
+            ([True], [], 1)
         """
         shape = _shape_of(hashes)
         flat = _to_numpy(hashes, np.int64).reshape(-1)
@@ -677,7 +761,7 @@ class CaptionStore:
             slots = self._index.find(flat)
             idx = np.flatnonzero(slots >= 0)
             failed, give_up = self._fail(self._captions, slots[idx], error_kind, parse_failure,
-                                         self._retry_at, self._server_retry_at, self._server_faults)
+                                         self._retry_at, self._server_retry_at, self._server_faults, final)
             gave_up[idx[np.isin(slots[idx], failed[give_up])]] = True
         return torch.from_numpy(gave_up).reshape(shape)
 
@@ -784,6 +868,185 @@ class CaptionStore:
             rows = self._captions.rows(picked)
         return rows.select(MESSAGE_KEY, CAPTION_HASH_KEY, "label", "score", "times_seen")
 
+    def sample_unlabelled(self, n: int, generator: Optional[np.random.Generator] = None) -> torch.Tensor:
+        """Up to ``n`` distinct captions without a label (unseen, pending, given up or skipped),
+        drawn uniformly without replacement: ``uint8[k <= n, 256]``.
+
+        What SURF pseudo-labels (:class:`~torchrl_oni.rewards.ensemble.EnsembleClassifierTrainer`
+        calls it as ``unlabelled(n, generator)``).
+
+        Example:
+            >>> import numpy as np
+            >>> from torchrl_oni.captions import decode_messages, encode_messages
+            >>> store = CaptionStore(capacity=4)
+            >>> _ = store.add(encode_messages(["a", "b", "c"]))
+            >>> _ = store.set_labels(store.slots_to_hashes([0]), [1.0], Provenance("doc"))
+            >>> sorted(decode_messages(store.sample_unlabelled(10, np.random.default_rng(0)).numpy()))
+            ['b', 'c']
+        """
+        rng = generator if generator is not None else np.random.default_rng()
+        with self._lock:
+            size = self._captions.size
+            slots = np.flatnonzero(self._captions.cols["status"][:size] != LABELLED)
+            k = min(max(int(n), 0), len(slots))
+            picked = np.sort(rng.choice(slots, size=k, replace=False)) if k else slots[:0]
+            messages = np.array(self._captions.cols[MESSAGE_KEY][picked])
+        return torch.from_numpy(messages)
+
+    # ------------------------------------------------------------------ rows (tools that show the store to people)
+    CAPTION_ROW_FIELDS = tuple(_CAPTION_FIELDS)
+    PAIR_ROW_FIELDS = tuple(_PAIR_FIELDS) + ("message_a", "message_b", "caption_hash_a", "caption_hash_b",
+                                             "times_seen_a", "times_seen_b")
+
+    def slots_to_hashes(self, slots: ArrayLike) -> torch.Tensor:
+        """Caption hashes of row ``slots`` (the inverse of :meth:`slots`)."""
+        with self._lock:
+            s = self._check_caption_slots(slots)
+            return torch.from_numpy(np.array(self._captions.cols[CAPTION_HASH_KEY][s]))
+
+    def _check_caption_slots(self, slots: ArrayLike) -> np.ndarray:
+        s = _to_numpy(slots, np.int64).reshape(-1)
+        if len(s) and (s.min() < 0 or s.max() >= self._captions.size):
+            raise ValueError(f"caption slots must be in [0, {self._captions.size}), got {s.min()}..{s.max()}")
+        return s
+
+    def _annotated_by_mask(self, table: "_Table", annotator: str) -> np.ndarray:
+        ids = self._human_ids if annotator == HUMAN else np.array(
+            [i for i, p in enumerate(self._provenances) if p.annotator == annotator], dtype=np.int16)
+        return np.isin(table.cols["provenance"][: table.size], ids)
+
+    def caption_slots(self, *, exclude_annotator: Optional[str] = None, nonempty: bool = False,
+                      status: Optional[int] = None) -> torch.Tensor:
+        """Row slots of the captions that match, oldest first (``LongTensor``).
+
+        Args:
+            exclude_annotator: leave out captions whose label comes from this annotator (e.g.
+                :data:`HUMAN`: what a person has not labelled yet).
+            nonempty: leave out the empty caption.
+            status: only captions with this status (:data:`UNSEEN`, :data:`LABELLED`, ...).
+
+        Example:
+            >>> from torchrl_oni.captions import encode_messages
+            >>> store = CaptionStore(capacity=4)
+            >>> _ = store.add(encode_messages(["", "a", "b"]))
+            >>> _ = store.set_labels(store.slots_to_hashes([2]), [1.0], Provenance(HUMAN))
+            >>> store.caption_slots(exclude_annotator=HUMAN, nonempty=True).tolist()
+            [1]
+        """
+        with self._lock:
+            n = self._captions.size
+            cols = self._captions.cols
+            keep = np.ones(n, dtype=bool)
+            if nonempty:
+                keep &= cols[MESSAGE_KEY][:n, 0] != 0
+            if status is not None:
+                keep &= cols["status"][:n] == status
+            if exclude_annotator is not None:
+                keep &= ~self._annotated_by_mask(self._captions, exclude_annotator)
+        return torch.from_numpy(np.flatnonzero(keep))
+
+    def caption_rows(self, slots: ArrayLike, fields: Optional[Sequence[str]] = None) -> TensorDict:
+        """Copies of caption rows: a TensorDict ``[len(slots)]`` of ``fields`` (default: all of
+        :attr:`CAPTION_ROW_FIELDS`: message, caption_hash, label, score, status, times_seen,
+        attempts, provenance — an id into :attr:`provenances`)."""
+        fields = self.CAPTION_ROW_FIELDS if fields is None else tuple(fields)
+        unknown = set(fields) - set(self.CAPTION_ROW_FIELDS)
+        if unknown:
+            raise KeyError(f"unknown caption fields {sorted(unknown)}; known: {', '.join(self.CAPTION_ROW_FIELDS)}")
+        with self._lock:
+            s = self._check_caption_slots(slots)
+            rows = self._captions.rows(s)
+        return rows.select(*fields)
+
+    def pair_slots(self, *, exclude_annotator: Optional[str] = None) -> torch.Tensor:
+        """Slots of the pairs, oldest first, without those whose preference comes from
+        ``exclude_annotator`` when given."""
+        with self._lock:
+            keep = np.ones(self._pairs.size, dtype=bool)
+            if exclude_annotator is not None:
+                keep &= ~self._annotated_by_mask(self._pairs, exclude_annotator)
+        return torch.from_numpy(np.flatnonzero(keep))
+
+    @property
+    def num_pairs(self) -> int:
+        """How many pairs the store holds (any status)."""
+        return self._pairs.size
+
+    def pair_rows(self, pair_slots: ArrayLike) -> TensorDict:
+        """Copies of pair rows with both captions: a TensorDict ``[len(pair_slots)]`` of
+        :attr:`PAIR_ROW_FIELDS` (``slot_a``, ``slot_b``, ``preference``, ``status``, ``attempts``,
+        ``provenance``, ``message_a``/``_b``, ``caption_hash_a``/``_b``, ``times_seen_a``/``_b``)."""
+        with self._lock:
+            s = self._check_pair_slots(pair_slots)
+            rows = self._pairs.rows(s)
+            ccols = self._captions.cols
+            for side in ("a", "b"):
+                c = rows.get(f"slot_{side}").numpy()
+                for key in (MESSAGE_KEY, CAPTION_HASH_KEY, "times_seen"):
+                    rows.set(f"{key}_{side}", torch.from_numpy(np.array(ccols[key][c])))
+        return rows
+
+    def count_by(self, annotator: str) -> Dict[str, int]:
+        """``{"captions": n, "pairs": m}`` currently labelled by ``annotator`` (e.g. :data:`HUMAN`)."""
+        with self._lock:
+            return {"captions": int(self._annotated_by_mask(self._captions, annotator).sum()),
+                    "pairs": int(self._annotated_by_mask(self._pairs, annotator).sum())}
+
+    def restore_label(self, caption_hash: int, row, *, expect_provenance: int, expect_label: float) -> bool:
+        """Undo of a label: puts ``row``'s ``label``, ``score``, ``status`` and ``provenance`` back,
+        only if the caption still holds ``(expect_provenance, expect_label)`` (what the undone
+        answer wrote; a label written since wins). A row that was pending goes back to unseen.
+
+        Args:
+            caption_hash: the caption.
+            row: a mapping with the earlier ``label``, ``score``, ``status``, ``provenance``
+                (one row of :meth:`caption_rows`).
+            expect_provenance, expect_label: what the store must still hold.
+
+        Returns:
+            True when restored.
+
+        Example:
+            >>> from torchrl_oni.captions import encode_messages
+            >>> store = CaptionStore(capacity=4)
+            >>> _ = store.add(encode_messages(["a"]))
+            >>> h = store.slots_to_hashes([0])
+            >>> before = store.caption_rows([0])[0]
+            >>> _ = store.set_labels(h, [1.0], Provenance(HUMAN))
+            >>> store.restore_label(int(h[0]), before, expect_provenance=0, expect_label=1.0)
+            True
+            >>> store.stats()["labelled"], store.stats()["unseen"]
+            (0, 1)
+        """
+        with self._lock:
+            slot = int(self._index.find(np.array([int(caption_hash)], dtype=np.int64))[0])
+            if slot < 0:
+                return False
+            cols = self._captions.cols
+            if cols["provenance"][slot] != expect_provenance or cols["label"][slot] != np.float32(expect_label):
+                return False
+            status = int(row["status"])
+            cols["label"][slot] = float(row["label"])
+            cols["score"][slot] = float(row["score"])
+            cols["status"][slot] = UNSEEN if status == PENDING else status
+            cols["provenance"][slot] = int(row["provenance"])
+            return True
+
+    def restore_preference(self, pair_slot: int, row, *, expect_provenance: int, expect_preference: float) -> bool:
+        """:meth:`restore_label` for a pair: ``row`` holds the earlier ``preference``,
+        ``status`` and ``provenance`` (one row of :meth:`pair_rows`)."""
+        with self._lock:
+            slot = int(self._check_pair_slots([pair_slot])[0])
+            cols = self._pairs.cols
+            held = (cols["provenance"][slot], cols["preference"][slot])
+            if held != (expect_provenance, np.float32(expect_preference)):
+                return False
+            status = int(row["status"])
+            cols["preference"][slot] = float(row["preference"])
+            cols["status"][slot] = UNSEEN if status == PENDING else status
+            cols["provenance"][slot] = int(row["provenance"])
+            return True
+
     # ------------------------------------------------------------------ pairs
     def add_pairs(self, hash_a: ArrayLike, hash_b: ArrayLike) -> torch.Tensor:
         """Queues pairs of (already added) captions for ranking; returns their pair slots.
@@ -856,8 +1119,14 @@ class CaptionStore:
         pair_slots: ArrayLike,
         preferences: ArrayLike,
         provenance: Union[Provenance, Sequence[Provenance]],
-    ) -> None:
-        """Stores preferences: P(second is better), 0.0 first better, 1.0 second, 0.5 tie."""
+    ) -> torch.Tensor:
+        """Stores preferences: P(second is better), 0.0 first better, 1.0 second, 0.5 tie.
+
+        As for :meth:`set_labels`, a person's preference is only replaced by another person's.
+
+        Returns:
+            ``bool[n]``: True where the preference was written, False where a person's stays.
+        """
         values = _to_numpy(preferences, np.float32).reshape(-1)
         with self._lock:
             s = self._check_pair_slots(pair_slots)
@@ -866,19 +1135,22 @@ class CaptionStore:
                 raise ValueError("set_preferences: preferences must be in [0, 1]")
             pids = self._provenance_ids_for(provenance, len(s))
             cols = self._pairs.cols
+            written = ~self._protected(cols["provenance"][s], pids)
+            s, values, pids = s[written], values[written], pids[written]
             cols["preference"][s] = values
             cols["status"][s] = LABELLED
             cols["provenance"][s] = pids
             for slot in s.tolist():
                 self._pair_retry_at.pop(slot, None)
+        return torch.from_numpy(written)
 
     def mark_pairs_failed(self, pair_slots: ArrayLike, error_kind: str = "error", *,
-                          parse_failure: Optional[bool] = None) -> None:
+                          parse_failure: Optional[bool] = None, final: Optional[bool] = None) -> None:
         """Like :meth:`mark_failed`, for pairs."""
         with self._lock:
             s = self._check_pair_slots(pair_slots)
             self._fail(self._pairs, s, error_kind, parse_failure, self._pair_retry_at,
-                       self._pair_server_retry_at, self._pair_server_faults)
+                       self._pair_server_retry_at, self._pair_server_faults, final)
 
     def pending_pairs(self) -> torch.Tensor:
         """Slots of the pairs claimed but not yet answered."""
@@ -914,18 +1186,18 @@ class CaptionStore:
         """Counts and coverage.
 
         Keys: ``size``, ``capacity``, ``unseen``, ``pending``, ``labelled``, ``given_up``
-        (unparsable answers), ``failed`` (given up, plus any ``failed`` rows of an older store not
-        yet requeued), ``retrying`` (unseen after a failure), ``positives`` (labelled with
-        label >= 0.5),
+        (unparsable answers), ``skipped`` (declined by the labeller), ``failed`` (given up, plus
+        any ``failed`` rows of an older store not yet requeued), ``retrying`` (unseen after a
+        failure), ``positives`` (labelled with label >= 0.5),
         ``labelled_fraction`` (labelled / size), ``seen_coverage`` (fraction of all sightings
         whose caption is labelled), ``pairs``, ``pairs_labelled``, ``pairs_pending``,
-        ``pairs_given_up``, ``nbytes``, and ``errors/<kind>`` counts.
+        ``pairs_given_up``, ``pairs_skipped``, ``nbytes``, and ``errors/<kind>`` counts.
         """
         with self._lock:
             n = self._captions.size
             cols = self._captions.cols
             status = cols["status"][:n]
-            counts = np.bincount(status.astype(np.int64), minlength=5) if n else np.zeros(5, np.int64)
+            counts = np.bincount(status.astype(np.int64), minlength=_N_STATUS) if n else np.zeros(_N_STATUS, np.int64)
             labelled = status == LABELLED
             seen = cols["times_seen"][:n]
             total_seen = int(seen.sum())
@@ -937,6 +1209,7 @@ class CaptionStore:
                 "pending": int(counts[PENDING]),
                 "labelled": int(counts[LABELLED]),
                 "given_up": int(counts[GIVEN_UP]),
+                "skipped": int(counts[SKIPPED]),
                 "failed": int(counts[FAILED] + counts[GIVEN_UP]),
                 "retrying": int(((status == UNSEEN) & (cols["attempts"][:n] > 0)).sum())
                 + sum(1 for slot in self._server_faults
@@ -948,6 +1221,7 @@ class CaptionStore:
                 "pairs_labelled": int((pstatus == LABELLED).sum()),
                 "pairs_pending": int((pstatus == PENDING).sum()),
                 "pairs_given_up": int((pstatus == GIVEN_UP).sum()),
+                "pairs_skipped": int((pstatus == SKIPPED).sum()),
                 "nbytes": self._captions.nbytes + self._pairs.nbytes + self._index.nbytes,
             }
             for kind, count in self.error_counts.items():
@@ -1043,6 +1317,8 @@ class CaptionStore:
         )
         store._provenances = [Provenance(*p) for p in data["provenances"]]
         store._provenance_ids = {p: i for i, p in enumerate(store._provenances)}
+        store._human_ids = np.array([i for i, p in enumerate(store._provenances) if p.annotator == HUMAN],
+                                    dtype=np.int16)
         store.error_counts = dict(data["error_counts"])
         if size:
             slots = store._captions.append({k: v.numpy() for k, v in captions.items()}, size)

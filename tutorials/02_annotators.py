@@ -284,3 +284,65 @@ if VLLM_URL:
         print(f"{caption[:39]:40s} {label.value} {label.error or ''}")
 else:
     print("VLLM_URL is not set: skipping the remote-server example.")
+
+# %% [markdown]
+# ## 5. People in the loop: labelling during training, auditing the LLM afterwards
+#
+# Any labeller that speaks the protocol can stand in for the LLM; people label through a small
+# web page on the run's **live** caption store:
+#
+# ```bash
+# oni-train --intrinsic-reward retrieval --human-feedback            # page on http://127.0.0.1:8765/
+# oni-train ... --human-feedback --feedback-host 0.0.0.0 --feedback-port 9000   # prints a URL with a token
+# ```
+#
+# The page shows the captions no person has labelled yet, most seen first (or, with a reward-model
+# ensemble `--rm-ensemble N`, those its members disagree on most), with the game screen each one
+# appeared on. One key per answer: **p** progress, **n** not progress, **s** skip, **u** undo,
+# **l** reveals the LLM's label (hidden by default, so it does not anchor you). A person's label
+# is stored with provenance `human`, is **never overwritten by a later LLM answer**, and reaches the
+# reward from the next batch (retrieval reads the store; reward models train on it). The page never
+# blocks training; its numbers are logged as `human/*` (answers, agreement with the LLM).
+#
+# **Auditing the LLM after a run** is the same page over the saved store:
+# `oni-label --store runs/oni/captions.pt` (the screens saved beside it, `captions.screens.pt`, are
+# found by default). Press **l** after answering to compare; the agreement panel is the LLM's
+# accuracy on the captions you checked, and your answers replace its labels in the store (a run
+# resumed with `--caption-store` keeps them). For label-efficiency experiments without people,
+# `--annotator teacher --teacher-beta 2 --teacher-epsilon 0.05` is a noisy simulated labeller, and
+# `--label-budget N --query-selection disagree` spends N labels per million frames on the captions
+# the ensemble is least sure about.
+#
+# Below, the rules play the LLM on a small store, and we answer as a person would through the page's
+# JSON API (what the page's keys send):
+
+# %%
+import json, urllib.request
+from torchrl_oni.captions import encode_messages, hash_messages
+from torchrl_oni.feedback import serve_feedback
+from torchrl_oni.store import CaptionStore
+
+store = CaptionStore(capacity=64)
+store.add(encode_messages(CAPTIONS * 2 + ["You hear someone counting money."] * 3))
+llm = ScriptedAnnotator()  # stands in for the LLM here
+hashes, texts = store.claim(len(CAPTIONS))
+labels = run(llm.annotate(texts))
+store.set_labels(hashes, [l.value for l in labels], llm.provenance)
+
+def api(page, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(page.url + path, data, {"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req) as resp:
+        return json.load(resp)
+
+with serve_feedback(store, port=0, announce=False) as page:
+    first = api(page, "api/queue?kind=captions&limit=3")["items"]
+    print("the page shows first:", [(x["text"], x["times_seen"]) for x in first])
+    noise = first[0]    # the most seen: "You hear someone counting money." (the rules said progress)
+    api(page, "api/label", {"id": noise["id"], "answer": "not_progress"})
+    kill = next(x for x in api(page, "api/queue?limit=20")["items"] if x["text"] == "You kill the newt!")
+    api(page, "api/label", {"id": kill["id"], "answer": "progress"})
+    print("session:", page.metrics())          # 2 answers, compared with the LLM's labels: 1 agreement
+    late = store.set_labels([int(noise["id"])], [1.0], llm.provenance)   # the LLM answers again, late
+    print("late LLM label written?", bool(late[0]), "| label kept:", store.lookup([int(noise["id"])])[0].item())
+print("labels by people in the store:", store.count_by("human"))

@@ -4,6 +4,8 @@
   :class:`Provenance`, :class:`Annotator`, :class:`AnnotatorStats`).
 * :class:`OpenAIAnnotator`: any OpenAI-compatible server (vLLM, the embedded CPU server...).
 * :class:`ScriptedAnnotator`: hand-written NetHack rules, a no-LLM fallback and test tool.
+* :class:`SimulatedTeacher`: those rules with B-Pref noise (rationality, mistakes, skips), a
+  stand-in for an imperfect labeller in label-efficiency experiments.
 * :mod:`~torchrl_oni.annotators.prompts` / :mod:`~torchrl_oni.annotators.parsing`: the
   versioned prompt templates and the answer parsers.
 
@@ -30,6 +32,7 @@ from torchrl_oni.annotators.openai import (
     resolve_model,
 )
 from torchrl_oni.annotators.scripted import ScriptedAnnotator
+from torchrl_oni.annotators.teacher import SKIP_ERROR, SimulatedTeacher
 
 __all__ = [
     "FIRST",
@@ -45,5 +48,7 @@ __all__ = [
     "Provenance",
     "RequestSizer",
     "ScriptedAnnotator",
+    "SimulatedTeacher",
+    "SKIP_ERROR",
     "resolve_model",
 ]

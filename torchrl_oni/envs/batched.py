@@ -23,6 +23,8 @@ key                         shape / dtype       meaning
                                                 ``gold``, ``scout``, ``kills``,
                                                 ``end_status``, ``success``: running
                                                 values, final at ``done``
+``tty_chars``               uint8[K, 24, 80]    only with ``screens=True``: the terminal the
+``tty_colors``              int8[K, 24, 80]     player sees (NLE's), for the labelling page
 ``action``                  int64[K]            index into the task's 23 or 28 actions
 ``reward``                  float32[K, 1]       the task's extrinsic reward
 ``done/terminated/truncated``  bool[K, 1]       truncated = time limit (see ``tasks``)
@@ -54,13 +56,15 @@ from torchrl.envs import EnvBase
 from nle import nethack
 
 from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_bytes
-from .tasks import ONITask, make_task, resolve_task
+from .tasks import OBSERVATION_KEYS, ONITask, make_task, resolve_task
 
-__all__ = ["NLEBatchEnv", "GlyphWindows", "EPISODE_STATS", "OFF_MAP_GLYPH"]
+__all__ = ["NLEBatchEnv", "GlyphWindows", "EPISODE_STATS", "OFF_MAP_GLYPH", "SCREEN_KEYS"]
 
 EPISODE_STATS = ("return", "length", "dlvl", "xlvl", "gold", "scout", "kills", "end_status", "success")
 _EPISODE_BLSTATS = [nethack.NLE_BL_DEPTH, nethack.NLE_BL_XP, nethack.NLE_BL_GOLD]
 _MAP_H, _MAP_W = 21, 79
+_TTY_H, _TTY_W = 24, 80
+SCREEN_KEYS = ("tty_chars", "tty_colors")  # what screens=True adds
 # root entries that ``step_mdp`` does not carry from one step to the next
 _NOT_CARRIED = frozenset(("next", "reward", "done", "terminated", "truncated", "_reset", "_step"))
 OFF_MAP_GLYPH = int(nethack.MAX_GLYPH)  # one past the last glyph: "outside the map"
@@ -120,6 +124,10 @@ class NLEBatchEnv(EnvBase):
         device: where the output tensors go (keep ``"cpu"`` in env workers).
         task_kwargs: extra arguments for :class:`~torchrl_oni.envs.tasks.ONITask`
             (``max_episode_steps``, ``timeout_as_termination``, ``character``...).
+        screens (bool): also return the terminal (``tty_chars``, ``tty_colors``), e.g. to show
+            people the screen a caption appeared on (``oni-train --human-feedback``). Off by
+            default: NetHack fills every requested buffer on every step, and the batch grows by
+            3.8 kB per game and step.
     """
 
     def __init__(
@@ -131,6 +139,7 @@ class NLEBatchEnv(EnvBase):
         crop_size: int = 9,
         device="cpu",
         task_kwargs: Optional[dict] = None,
+        screens: bool = False,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
@@ -141,7 +150,14 @@ class NLEBatchEnv(EnvBase):
         self.num_envs = num_envs
         self.crop_size = crop_size
         self.task_kwargs = dict(task_kwargs or {})
-        self.games: Sequence[ONITask] = [make_task(self.task, **self.task_kwargs) for _ in range(num_envs)]
+        self.screens = bool(screens)
+        # an empty tuple when off: the step loops over it, so the default path pays nothing
+        self._screen_keys = SCREEN_KEYS if self.screens else ()
+        game_kwargs = dict(self.task_kwargs)
+        if self.screens:
+            keys = tuple(game_kwargs.get("observation_keys", OBSERVATION_KEYS))
+            game_kwargs["observation_keys"] = keys + tuple(k for k in SCREEN_KEYS if k not in keys)
+        self.games: Sequence[ONITask] = [make_task(self.task, **game_kwargs) for _ in range(num_envs)]
         self.num_actions = len(self.games[0].actions)
         self._install_buffers()
         self._hash = _HashCache()
@@ -183,6 +199,9 @@ class NLEBatchEnv(EnvBase):
             },
             shape=shape,
         )
+        if self.screens:
+            self.observation_spec["tty_chars"] = Bounded(0, 255, shape + (_TTY_H, _TTY_W), dtype=torch.uint8)
+            self.observation_spec["tty_colors"] = Bounded(-128, 127, shape + (_TTY_H, _TTY_W), dtype=torch.int8)
         self.action_spec = Categorical(self.num_actions, shape, dtype=i64)
         self.reward_spec = Unbounded(shape + (1,), dtype=torch.float32)
         self.done_spec = Composite(
@@ -209,6 +228,9 @@ class NLEBatchEnv(EnvBase):
             "blstats": np.zeros((K, 27), np.int64),
             "message": np.zeros((K, MESSAGE_LEN), np.uint8),
         }
+        if self.screens:
+            self._obs_rows["tty_chars"] = np.zeros((K, _TTY_H, _TTY_W), np.uint8)
+            self._obs_rows["tty_colors"] = np.zeros((K, _TTY_H, _TTY_W), np.int8)
         for i, game in enumerate(self.games):
             nh = game.nethack
             try:
@@ -231,11 +253,15 @@ class NLEBatchEnv(EnvBase):
             st["blstats"] = blstats = buf["blstats"].copy()
             np.copyto(self._windows.interior, buf["glyphs"])
             ks = self._all_rows
+            for key in self._screen_keys:
+                st[key] = buf[key].copy()
         else:
             ks = np.asarray(rows, np.int64)
             st["message"][ks] = buf["message"][ks]
             st["blstats"][ks] = blstats = buf["blstats"][ks]
             self._windows.interior[ks] = buf["glyphs"][ks]
+            for key in self._screen_keys:
+                st[key][ks] = buf[key][ks]
         st["crop"][ks] = self._windows.crop(ks, x=blstats[:, nethack.NLE_BL_X], y=blstats[:, nethack.NLE_BL_Y])
 
     def _note_messages(self, st: dict, rows) -> None:
@@ -286,6 +312,8 @@ class NLEBatchEnv(EnvBase):
             "crop": f(st["crop"]),
             "episode": TensorDict._new_unsafe(episode, batch_size=shape, device=device),
         }
+        for key in self._screen_keys:
+            source[key] = f(st[key])
         if extra:
             source.update(extra)
         if self._cpu:

@@ -13,6 +13,10 @@ float32[N]`` and returns the reward *before* the per-episode count decay
   :class:`UniqueCaptionPairSampler`.
 * ``motif`` (offline Motif): :class:`MotifReward` from a :func:`train_reward_model` checkpoint.
 * ``cosine-bow`` (ELLM-BoW): :class:`BoWReward`.
+* ensembles of the online reward models (:mod:`~torchrl_oni.rewards.ensemble`):
+  :class:`ClassifierEnsemble` / :class:`EnsembleClassifierTrainer` (with :class:`SURF`
+  pseudo-labels), :class:`RankingEnsemble` / :class:`EnsembleRankingTrainer`, and RUNE's
+  exploration bonus :class:`RUNEBonus` / :func:`rune_transform`.
 
 Example:
     >>> import torch
@@ -28,9 +32,20 @@ from torchrl_oni.rewards.classification import (
     RewardModelSchedule,
     holdout_mask,
 )
+from torchrl_oni.rewards.ensemble import (
+    SURF,
+    ClassifierEnsemble,
+    EnsembleClassifierTrainer,
+    EnsembleRankingTrainer,
+    RankingEnsemble,
+    RUNEBonus,
+    bootstrap_counts,
+    rune_transform,
+)
 from torchrl_oni.rewards.models import MessageClassifier, MessageEncoder, MessageRewardModel
 from torchrl_oni.rewards.ranking import (
     LabelledPairs,
+    PairQueue,
     RankingReward,
     RankingTrainer,
     UniqueCaptionPairSampler,
@@ -48,6 +63,14 @@ __all__ = [
     "LabelledCaptions",
     "RewardModelSchedule",
     "holdout_mask",
+    "ClassifierEnsemble",
+    "EnsembleClassifierTrainer",
+    "EnsembleRankingTrainer",
+    "RankingEnsemble",
+    "RUNEBonus",
+    "SURF",
+    "bootstrap_counts",
+    "rune_transform",
     "MessageClassifier",
     "MessageEncoder",
     "MessageRewardModel",
@@ -57,6 +80,7 @@ __all__ = [
     "collect_pairs",
     "train_reward_model",
     "LabelledPairs",
+    "PairQueue",
     "RankingReward",
     "RankingTrainer",
     "UniqueCaptionPairSampler",

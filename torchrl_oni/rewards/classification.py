@@ -448,7 +448,17 @@ class ClassificationSettings:
 @register_reward("classification", labels=True, settings=ClassificationSettings,
                  help="ONI-Classification: a classifier distils the labels and pays when sure")
 def _build(ctx) -> RewardParts:
+    """One classifier, or with ``--rm-ensemble N`` (or SURF, ``--rm-surf-tau``) a
+    :class:`~torchrl_oni.rewards.ensemble.ClassifierEnsemble` of N trained on bootstrap resamples,
+    paying ``1[mean P(helpful) > threshold]``."""
+    rm = ctx.cfg.reward_model
+    kwargs = dict(lr=rm.lr, batch_size=rm.batch_size, schedule=ctx.schedule, seed=ctx.cfg.seed)
+    if rm.ensemble > 1 or rm.surf_tau > 0:
+        from torchrl_oni.rewards.ensemble import SURF, ClassifierEnsemble, EnsembleClassifierTrainer
+
+        reward = ClassifierEnsemble(size=rm.ensemble, threshold=ctx.settings.threshold, seed=ctx.cfg.seed,
+                                    device=ctx.device)
+        surf = SURF(tau=rm.surf_tau, lam=rm.surf_lambda) if rm.surf_tau > 0 else None
+        return RewardParts(reward, trainer=EnsembleClassifierTrainer(reward, ctx.store, surf=surf, **kwargs))
     reward = ClassificationReward(threshold=ctx.settings.threshold, device=ctx.device)
-    trainer = ClassifierTrainer(reward, ctx.store, lr=ctx.cfg.reward_model.lr, batch_size=ctx.cfg.reward_model.batch_size,
-                                schedule=ctx.schedule, seed=ctx.cfg.seed)
-    return RewardParts(reward, trainer=trainer)
+    return RewardParts(reward, trainer=ClassifierTrainer(reward, ctx.store, **kwargs))

@@ -50,6 +50,7 @@ from torchrl_oni.rewards.models import MessageRewardModel, ServedModel, as_messa
 from torchrl_oni.rewards.scaling import RunningMeanStd, threshold as threshold_values
 
 __all__ = [
+    "PairQueue",
     "LabelledPairs",
     "bradley_terry_loss",
     "pairwise_accuracy",
@@ -392,6 +393,7 @@ from dataclasses import dataclass  # noqa: E402
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY  # noqa: E402
 from torchrl_oni.config_tree import setting  # noqa: E402
 from torchrl_oni.rewards.registry import RewardParts, register_reward  # noqa: E402
+from torchrl_oni.store import CaptionStore  # noqa: E402
 
 
 @dataclass
@@ -407,28 +409,152 @@ def _check(cfg) -> None:
         raise ValueError("--ranking-pairs must be at least 1")
 
 
+class PairQueue:
+    """Queues caption pairs for the annotator on every collected batch (``RewardParts.on_batch``).
+
+    ONI's rule: ``pairs`` pairs of distinct captions, uniform over a bounded pool
+    (:class:`UniqueCaptionPairSampler`), while fewer than ``backlog_limit`` pairs wait for a
+    preference. With ``rule`` ``disagree`` or ``entropy`` and ``pair_probabilities``, it draws
+    ``candidates`` × as many pairs and queues those the reward model's members disagree on most
+    (or whose mean preference is closest to a coin flip: :func:`torchrl_oni.active.select`). With
+    a ``budget`` (:class:`~torchrl_oni.active.LabelBudget`, one unit per new pair) it queues no
+    more than the budget allows at the frames seen so far; a pair already in the store costs
+    nothing.
+
+    Args:
+        store: the :class:`~torchrl_oni.store.CaptionStore`.
+        pairs (int): pairs per batch (ONI: 10).
+        backlog_limit (int): queue nothing while this many pairs wait for a preference.
+        rule (str): a rule of :data:`torchrl_oni.active.RULES` (only ``disagree``/``entropy``
+            rank pairs; the others sample uniformly).
+        pair_probabilities (callable, optional): ``(uint8[K,256], uint8[K,256]) -> float[K, M]``
+            members' P(second better) (:meth:`~torchrl_oni.rewards.ensemble.RankingEnsemble.pair_probabilities`).
+        budget (LabelBudget, optional): the label budget for pairs.
+        candidates (int): candidate pairs drawn per pair queued by a ranking rule.
+        wake (callable): called after queueing (wakes the annotation worker).
+        seed (int): the sampler's seed.
+
+    Example:
+        >>> import torch
+        >>> from torchrl_oni.active import LabelBudget
+        >>> from torchrl_oni.captions import encode_messages, hash_messages
+        >>> from torchrl_oni.store import CaptionStore
+        >>> from tensordict import TensorDict
+        >>> store = CaptionStore(capacity=16)
+        >>> msgs = torch.from_numpy(encode_messages(["a", "b", "c", "d"]))
+        >>> batch = TensorDict(message=msgs, caption_hash=torch.from_numpy(hash_messages(msgs)), batch_size=[4])
+        >>> _ = store.add(msgs)
+        >>> queue = PairQueue(store, pairs=10, budget=LabelBudget(per_million=1e6))   # 1 pair per frame
+        >>> queue(batch)                # 4 frames: at most 4 new pairs; a pair drawn twice costs nothing
+        >>> 0 < store.num_pairs == queue.budget.spent <= 4
+        True
+    """
+
+    def __init__(self, store: CaptionStore, *, pairs: int = 10, backlog_limit: int = 200, rule: str = "uniform",
+                 pair_probabilities=None, budget=None, candidates: int = 10, wake=lambda: None, seed: int = 0):
+        from torchrl_oni.active import RULES
+
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
+        if rule in ("disagree", "entropy") and pair_probabilities is None:
+            raise ValueError(f"rule {rule!r} needs pair_probabilities (the reward model's members)")
+        self.store = store
+        self.pairs = int(pairs)
+        self.backlog_limit = int(backlog_limit)
+        self.rule = rule
+        self.pair_probabilities = pair_probabilities
+        self.budget = budget
+        self.candidates = max(int(candidates), 1)
+        self.wake = wake
+        self.sampler = UniqueCaptionPairSampler(seed=seed)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.frames = 0
+        self.queued_total = 0
+
+    def __call__(self, batch) -> None:
+        from torchrl_oni.active import select
+
+        self.sampler.observe(batch.get(MESSAGE_KEY).reshape(-1, MESSAGE_LEN), batch.get(CAPTION_HASH_KEY).reshape(-1))
+        self.frames += batch.numel()
+        stats = self.store.stats()
+        # ONI queued 10 pairs per minibatch while fewer than 2 × batch size were waiting
+        if stats["pairs"] - stats["pairs_labelled"] - stats.get("pairs_skipped", 0) >= self.backlog_limit:
+            return
+        n = self.pairs if self.budget is None else min(self.pairs, self.budget.allowed(self.frames))
+        if n <= 0:
+            return
+        if self.rule in ("disagree", "entropy"):
+            first, second, h1, h2 = self.sampler.sample_pairs(self.candidates * n)
+            if len(h1):
+                with torch.no_grad():
+                    probs = torch.as_tensor(self.pair_probabilities(torch.from_numpy(first), torch.from_numpy(second)))
+                best = select({"member_probs": probs}, n, self.rule, generator=self.generator).numpy()
+                h1, h2 = h1[best], h2[best]
+        else:
+            _, _, h1, h2 = self.sampler.sample_pairs(n)
+        if not len(h1):
+            return
+        before = self.store.num_pairs
+        self.store.add_pairs(h1, h2)
+        new = self.store.num_pairs - before
+        if self.budget is not None and new:
+            self.budget.spend(new)
+        self.queued_total += new
+        self.wake()
+
+    def metrics(self) -> dict:
+        """For the logs: ``annotation/pairs_queued_total`` and, with a budget,
+        ``annotation/budget_spent``, ``_earned``, ``_allowed`` (pairs)."""
+        out = {"annotation/pairs_queued_total": float(self.queued_total)}
+        if self.budget is not None:
+            out.update({f"annotation/budget_{k}": v for k, v in self.budget.metrics(self.frames).items()})
+        return out
+
+    def state_dict(self) -> dict:
+        # the sampler is checkpointed on its own (as "sampler", where older checkpoints keep it)
+        return {"frames": self.frames, "queued_total": self.queued_total, "generator": self.generator.get_state(),
+                "budget": self.budget.state_dict() if self.budget is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.frames = int(state["frames"])
+        self.queued_total = int(state.get("queued_total", 0))
+        self.generator.set_state(state["generator"])
+        if self.budget is not None and state.get("budget") is not None:
+            self.budget.load_state_dict(state["budget"])
+
+
 @register_reward("ranking", pairs=True, settings=RankingSettings, check=_check,
                  help="ONI-Ranking: a Bradley-Terry model of pairwise preferences")
 def _build(ctx) -> RewardParts:
-    settings, store = ctx.settings, ctx.store
+    """One Bradley–Terry model, or with ``--rm-ensemble N`` a
+    :class:`~torchrl_oni.rewards.ensemble.RankingEnsemble` (the members' mean raw score);
+    pairs queued by :class:`PairQueue` under ``--query-selection`` and ``--label-budget``."""
+    from torchrl_oni.active import LabelBudget, pair_member_probs
+
+    settings, store, cfg = ctx.settings, ctx.store, ctx.cfg
+    rm, ann = cfg.reward_model, cfg.annotation
     # raw scores here; the transform normalises (frequency-weighted running statistics over every
     # step, as ONI) and thresholds them after de-duplicating the batch
-    reward = RankingReward(normalize=False, device=ctx.device)
-    trainer = RankingTrainer(reward, store, lr=ctx.cfg.reward_model.lr, batch_size=ctx.cfg.reward_model.batch_size,
-                             schedule=ctx.schedule)
-    sampler = UniqueCaptionPairSampler(seed=ctx.cfg.seed)
-    backlog_limit = 2 * ctx.cfg.annotation.llm_batch_size
+    if rm.ensemble > 1:
+        from torchrl_oni.rewards.ensemble import EnsembleRankingTrainer, RankingEnsemble
 
-    def queue_pairs(batch):
-        sampler.observe(batch.get(MESSAGE_KEY).reshape(-1, MESSAGE_LEN), batch.get(CAPTION_HASH_KEY).reshape(-1))
-        stats = store.stats()
-        # ONI queued 10 pairs per minibatch while fewer than 2 × batch size were waiting
-        if stats["pairs"] - stats["pairs_labelled"] < backlog_limit:
-            _, _, h1, h2 = sampler.sample_pairs(settings.pairs)
-            if len(h1):
-                store.add_pairs(h1, h2)
-                ctx.wake_annotator()
+        reward = RankingEnsemble(size=rm.ensemble, normalize=False, seed=cfg.seed, device=ctx.device)
+        trainer = EnsembleRankingTrainer(reward, store, seed=cfg.seed, lr=rm.lr, batch_size=rm.batch_size,
+                                         schedule=ctx.schedule)
+        pair_probabilities = reward.pair_probabilities
+    else:
+        reward = RankingReward(normalize=False, device=ctx.device)
+        trainer = RankingTrainer(reward, store, lr=rm.lr, batch_size=rm.batch_size, schedule=ctx.schedule)
 
+        def pair_probabilities(first, second):
+            return pair_member_probs(reward.scores(first)[:, None], reward.scores(second)[:, None])
+
+    budget = None
+    if ann.label_budget is not None:
+        budget = LabelBudget(ann.label_budget, ann.label_schedule, total_frames=cfg.frames)
+    queue = PairQueue(store, pairs=settings.pairs, backlog_limit=2 * ann.llm_batch_size, rule=ann.query_selection,
+                      pair_probabilities=pair_probabilities, budget=budget, wake=ctx.wake_annotator, seed=cfg.seed)
     normalize = not settings.raw
-    return RewardParts(reward, trainer=trainer, on_batch=queue_pairs, normalize=normalize,
-                       threshold=settings.threshold if normalize else None, stateful={"sampler": sampler})
+    return RewardParts(reward, trainer=trainer, on_batch=queue, normalize=normalize,
+                       threshold=settings.threshold if normalize else None,
+                       stateful={"sampler": queue.sampler, "pair_queue": queue}, metrics=queue.metrics)

@@ -12,8 +12,11 @@ section             what                                                        
 ``ppo``             policy network, value heads, optimiser and PPO loss              ``--lr``
 ``reward``          extrinsic/intrinsic mix, the intrinsic reward type, count decay  ``--intrinsic-reward``
 ``reward.<type>``   settings of one intrinsic reward type, declared by its module     ``--ranking-threshold``
-``annotation``      who labels captions: rules or an LLM server (URL, model, prompt)  ``--llm-url``
-``reward_model``    training of the classification/ranking reward models             ``--rm-lr``
+``annotation``      who labels captions (rules, a simulated teacher or an LLM), the      ``--llm-url``
+                    label budget and which captions are asked first                  ``--label-budget``
+``reward_model``    training of the classification/ranking reward models, ensembles,  ``--rm-lr``
+                    SURF pseudo-labels and the RUNE exploration bonus                ``--rm-ensemble``
+``feedback``        the labelling page for people during training                    ``--human-feedback``
 ``log``             run folder, checkpoints, metrics, wandb, resume                  ``--logdir``
 ``distributed``     where env workers run (this machine or a Ray cluster)            ``--backend``
 ==================  ===============================================================  ===========
@@ -49,9 +52,13 @@ from ..config_tree import (
     to_dict,
 )
 
-__all__ = ["TrainConfig", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTATORS", "GOALS", "ARCHS", "intrinsic_rewards"]
+__all__ = ["TrainConfig", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTATORS", "GOALS", "ARCHS",
+           "QUERY_RULES", "LABEL_SCHEDULES", "intrinsic_rewards"]
 
-ANNOTATORS = ("llm", "scripted")
+ANNOTATORS = ("llm", "scripted", "teacher")
+QUERY_RULES = ("fifo", "frequency", "uniform", "disagree", "entropy")  # torchrl_oni.active.RULES
+LABEL_SCHEDULES = ("constant", "linear", "exponential")  # torchrl_oni.active.SCHEDULES
+MODEL_REWARDS = ("classification", "ranking")  # the reward types that train a reward model
 GOALS = ("default", "combat", "gold", "stairs", "zero-knowledge")
 ARCHS = ("light", "oni", "oni-lstm")
 CONFIG_NAME = "config.yaml"  # the run folder's copy of its configuration
@@ -96,8 +103,12 @@ class PPOConfig:
 
 @dataclass
 class AnnotationConfig:
-    annotator: Literal["llm", "scripted"] = setting("llm", "who labels captions: llm (an LLM server) or scripted "
-                                                    "(hand-written rules, no LLM)")
+    annotator: Literal["llm", "scripted", "teacher"] = setting(
+        "llm", "who labels captions: llm (an LLM server), scripted (hand-written rules, no LLM) or teacher (the "
+        "rules with B-Pref noise: --teacher-beta, --teacher-epsilon; for label-efficiency experiments)")
+    teacher_beta: Optional[float] = setting(None, "--annotator teacher: rationality, answers drawn as "
+                                            "sigmoid(beta · (rule score − 0.5)) (none: the rules' answer)")
+    teacher_epsilon: float = setting(0.0, "--annotator teacher: probability of flipping an answer (a mistake)")
     llm_url: Tuple[str, ...] = setting((), "OpenAI-compatible server(s), e.g. http://gpu-node:8000/v1; several "
                                        "URLs form a pool (default: start the embedded CPU server)",
                                        default_factory=tuple, metavar="URL")
@@ -120,6 +131,15 @@ class AnnotationConfig:
         "default", "what counts as progress for the annotator and the goal-based rewards")
     caption_store: Optional[str] = setting(None, "caption/label store, loaded if it exists and saved at "
                                            "checkpoints (default: LOGDIR/captions.pt)", metavar="PATH")
+    label_budget: Optional[float] = setting(None, "labels (captions, or pairs for ranking) that may be bought per "
+                                            "million frames, on average over the run (none: no limit)",
+                                            metavar="PER_MILLION")
+    label_schedule: Literal["constant", "linear", "exponential"] = setting(
+        "constant", "how --label-budget is spread over --frames: constant, or front-loaded (linear, exponential)")
+    query_selection: Literal["fifo", "frequency", "uniform", "disagree", "entropy"] = setting(
+        "frequency", "which captions (or pairs) are labelled first: fifo (oldest), frequency (most seen), uniform, "
+        "disagree (reward-model ensemble members disagree most: --rm-ensemble > 1) or entropy (the reward "
+        "model is least sure)")
 
 
 @dataclass
@@ -134,6 +154,24 @@ class RewardModelConfig:
     time_fraction: Optional[float] = setting(
         None, "cap on the share of wall time spent training the reward model; owed steps are spread over later "
         "iterations (none: 0.1 on CPU, no cap on GPU; 0: no cap)")
+    ensemble: int = setting(1, "reward models trained side by side on bootstrap resamples of the labels; the "
+                            "reward is their mean (classification, ranking; > 1 enables --query-selection disagree "
+                            "and RUNE)")
+    surf_tau: float = setting(0.0, "SURF: unlabelled captions whose ensemble-mean P(helpful) is >= tau or <= 1 - tau "
+                              "join training with that pseudo-label (classification; 0: off; SURF used 0.999)")
+    surf_lambda: float = setting(0.1, "SURF: weight of the pseudo-labelled captions' loss")
+    rune_beta: float = setting(0.0, "RUNE: exploration bonus beta · std over the ensemble's members of the caption's "
+                               "prediction, count-decayed and added to the intrinsic reward (0: off; RUNE used 0.05)")
+    rune_decay: float = setting(1e-4, "RUNE: the bonus scale shrinks by this fraction after every PPO iteration")
+
+
+@dataclass
+class FeedbackConfig:
+    human_feedback: bool = setting(False, "serve a labelling page on the run's live caption store: people's labels "
+                                   "take precedence over the LLM's and reach the reward from the next batch")
+    feedback_port: int = setting(8765, "port of the labelling page (0: any free port; the address is printed)")
+    feedback_host: str = setting("127.0.0.1", "address the labelling page binds; any other than loopback needs the "
+                                 "access token printed at start")
 
 
 @dataclass
@@ -157,6 +195,10 @@ class DistributedConfig:
                                                "any node of a Ray cluster")
     ray_address: Optional[str] = setting(None, "Ray cluster to join: auto, or HOST:PORT (default: start a local "
                                          "Ray instance)")
+    ray_num_cpus_per_actor: float = setting(1.0, "CPUs Ray reserves for each env worker actor (1: one NetHack "
+                                            "process per core)")
+    ray_max_restarts: int = setting(3, "times Ray restarts a dead env worker actor before the run goes on without it "
+                                    "(-1: without limit)")
 
 
 def _reward_sections():
@@ -199,6 +241,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # type: ignore[valid-type]
     annotation: AnnotationConfig = field(default_factory=AnnotationConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
@@ -277,10 +320,22 @@ class TrainConfig:
             (min(rm.steps_per_labels, rm.switch_at, rm.steps_per_iteration) >= 0,
              "reward-model schedule settings must be non-negative"),
             (rm.time_fraction is None or rm.time_fraction >= 0, "--rm-time-fraction must be non-negative (0: no cap)"),
+            (self.distributed.ray_num_cpus_per_actor > 0, "--ray-num-cpus-per-actor must be positive"),
+            (self.distributed.ray_max_restarts >= -1, "--ray-max-restarts must be -1 (no limit) or more"),
+            (rm.ensemble >= 1, "--rm-ensemble must be at least 1"),
+            (rm.surf_tau == 0 or 0.5 < rm.surf_tau <= 1, "--rm-surf-tau must be in (0.5, 1] (0: SURF off)"),
+            (rm.surf_lambda >= 0, "--rm-surf-lambda must be non-negative"),
+            (rm.rune_beta >= 0, "--rm-rune-beta must be non-negative (0: RUNE off)"),
+            (0 <= rm.rune_decay < 1, "--rm-rune-decay must be in [0, 1)"),
+            (ann.label_budget is None or ann.label_budget >= 0, "--label-budget must be non-negative"),
+            (ann.teacher_beta is None or ann.teacher_beta > 0, "--teacher-beta must be positive"),
+            (0 <= ann.teacher_epsilon <= 1, "--teacher-epsilon must be in [0, 1]"),
+            (0 <= self.feedback.feedback_port < 65536, "--feedback-port must be in [0, 65535]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_label_settings()
         if reward.intrinsic_reward == "none":
             if reward.intrinsic_coeff:
                 raise ValueError("--intrinsic-coeff needs an --intrinsic-reward other than 'none'")
@@ -288,6 +343,42 @@ class TrainConfig:
             spec = reward_types()[reward.intrinsic_reward]
             if spec.check is not None:
                 spec.check(self)
+
+    def _check_label_settings(self) -> None:
+        """Label budget, query selection, ensembles, SURF, RUNE, teacher and the labelling page
+        against the intrinsic reward type (one sentence per impossible combination)."""
+        from ..rewards.registry import reward_types
+
+        kind, ann, rm = self.reward.intrinsic_reward, self.annotation, self.reward_model
+        spec = reward_types().get(kind)
+        labelled = spec is not None and spec.needs_annotator
+        model = kind in MODEL_REWARDS
+        checks = [
+            (labelled or ann.label_budget is None, "--label-budget"),
+            (labelled or ann.query_selection == "frequency", "--query-selection"),
+            (labelled or not self.feedback.human_feedback, "--human-feedback"),
+        ]
+        for ok, flag in checks:
+            if not ok:
+                raise ValueError(f"{flag} needs an --intrinsic-reward labelled by an annotator (retrieval, "
+                                 f"classification, ranking), not {kind!r}")
+        if ann.label_schedule != "constant" and ann.label_budget is None:
+            raise ValueError(f"--label-schedule {ann.label_schedule} needs a --label-budget")
+        if ann.annotator != "teacher" and (ann.teacher_beta is not None or ann.teacher_epsilon):
+            raise ValueError("--teacher-beta and --teacher-epsilon need --annotator teacher")
+        if rm.ensemble > 1 and not model:
+            raise ValueError(f"--rm-ensemble needs --intrinsic-reward classification or ranking, not {kind!r}")
+        if rm.surf_tau and kind != "classification":
+            raise ValueError(f"--rm-surf-tau (SURF) needs --intrinsic-reward classification, not {kind!r}")
+        if rm.rune_beta and (rm.ensemble < 2 or not model):
+            raise ValueError("--rm-rune-beta (RUNE) needs an ensemble: --rm-ensemble 2 or more with "
+                             "--intrinsic-reward classification or ranking")
+        if ann.query_selection == "disagree" and (rm.ensemble < 2 or not model):
+            raise ValueError("--query-selection disagree needs an ensemble: --rm-ensemble 2 or more with "
+                             "--intrinsic-reward classification or ranking")
+        if ann.query_selection == "entropy" and not model:
+            raise ValueError(f"--query-selection entropy needs a reward model (--intrinsic-reward classification "
+                             f"or ranking), not {kind!r}")
 
     @staticmethod
     def settings():

@@ -19,6 +19,33 @@ trainer process (the collector's env workers only play):
   intrinsic reward and the fraction of steps rewarded; the most rewarded messages of the last
   window go to ``<logdir>/top_messages.txt`` (the CSV holds numbers only).
 
+Label-efficient annotation (all optional, see :mod:`torchrl_oni.active`):
+
+* ``--label-budget N [--label-schedule S]`` and ``--query-selection R``: the annotation worker
+  claims captions through a :class:`~torchrl_oni.active.SelectiveClaim` (the budget, in labels
+  per million frames, is read at the trainer's frame count; ``disagree``/``entropy`` rank the
+  most-seen unlabelled captions by the reward model's members). Ranking applies both to the
+  pairs it queues (:class:`~torchrl_oni.rewards.ranking.PairQueue`);
+* ``--rm-ensemble N``, ``--rm-surf-tau``: the reward type builds an ensemble (and SURF);
+* ``--rm-rune-beta B``: RUNE's exploration bonus ``B_t · std_m(prediction_m(caption))``, with
+  the same per-episode count decay as the intrinsic reward, is **added to**
+  ``("next", "intrinsic_reward")`` before the trainer mixes rewards
+  (:class:`~torchrl_oni.transforms.CombineRewards`), so PPO optimises
+  ``ext · clip(r_env) + int · (R(m) · count^-β + bonus)`` and, with ``--value-heads 2``, the
+  bonus is part of the intrinsic stream. It is logged apart (``intrinsic/rune_bonus``,
+  ``intrinsic/rune_beta``; ``intrinsic/mean`` and ``top_messages.txt`` stay the reward alone)
+  and ``B_t = B (1 − --rm-rune-decay)^t`` shrinks after every PPO iteration.
+
+Human feedback (``--human-feedback``): the labelling page of :mod:`torchrl_oni.feedback` runs in
+a thread of its own on the run's live caption store from the start to the end of the run. People's
+labels are kept over the LLM's (:data:`~torchrl_oni.store.HUMAN` precedence) and reach the reward
+from the next batch: retrieval reads the store, reward models train on its labels. The page
+never blocks training; its numbers are logged as ``human/*``. With it, the env workers also
+return the terminal (``NLEBatchEnv(screens=True)``): the screen of each caption new to the store
+is kept (:class:`~torchrl_oni.feedback.screens.ScreenSnapshots`, saved as
+``<store>.screens.pt`` beside the store, where ``oni-label`` finds it) and dropped from the batch
+before PPO.
+
 Reward types come from the registry (:mod:`torchrl_oni.rewards.registry`): each declares
 whether it needs labels or pairs from an annotator, its own settings and how it is built; the
 hook only assembles what the declaration asks for.
@@ -32,6 +59,7 @@ import asyncio
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -39,7 +67,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ..atomic import atomic_write
-from ..captions import MESSAGE_LEN, decode_message
+from ..captions import INTRINSIC_REWARD_KEY, MESSAGE_LEN, decode_message
 from .config import TrainConfig
 
 __all__ = ["build_intrinsic_hooks", "IntrinsicRewardHook", "TOP_MESSAGES_NAME", "CAPTION_STORE_NAME"]
@@ -69,37 +97,54 @@ def _check_llm(annotator) -> None:
     asyncio.run(check())
 
 
+def start_llm(cfg: TrainConfig):
+    """``(LLMEndpoint, server_handle or None)``: the OpenAI-compatible servers of ``--llm-url``
+    (the model defaults to the only one they list) or the embedded CPU server, started here in a
+    process of its own (see :func:`~torchrl_oni.serve.start_embedded_process`)."""
+    from ..annotators import resolve_model
+    from ..rewards.registry import LLMEndpoint
+
+    ann = cfg.annotation
+    if ann.llm_url:
+        urls = tuple(ann.llm_url)
+        model = resolve_model(list(urls), ann.llm_model, api_key=ann.llm_api_key)
+        return LLMEndpoint(urls, model, ann.llm_api_key), None
+    from ..serve import DEFAULT_MODEL, start_embedded_process, start_embedded_server
+
+    name, threads = ann.llm_model or DEFAULT_MODEL, ann.embedded_threads or 1
+    if ann.embedded_server == "process":
+        log.info("starting the embedded LLM %s (a minute or two the first time) ...", name)
+        server = start_embedded_process(name, threads=threads)
+    else:
+        server = start_embedded_server(model=name, threads=threads)
+    return LLMEndpoint((server.url,), server.model), server
+
+
 def make_annotator(cfg: TrainConfig):
     """``(annotator, server_handle or None)`` for ``cfg.annotation``, checked to answer.
 
-    Rules (``--annotator scripted``), a pool of OpenAI-compatible servers (``--llm-url``; the
-    model defaults to the only one they list) or the embedded CPU server started here.
+    Rules (``--annotator scripted``), a simulated noisy teacher (``teacher``), or an LLM
+    (:func:`start_llm`: a pool of ``--llm-url`` servers or the embedded CPU server).
     """
-    from ..annotators import OpenAIAnnotator, ScriptedAnnotator, resolve_model
+    from ..annotators import OpenAIAnnotator, ScriptedAnnotator
 
     ann = cfg.annotation
     if ann.annotator == "scripted":
         return ScriptedAnnotator(goal=ann.goal), None
-    server = None
-    if ann.llm_url:
-        urls = list(ann.llm_url)
-        model = resolve_model(urls, ann.llm_model, api_key=ann.llm_api_key)
-        prompt = "tagged" if ann.llm_prompt == "auto" else ann.llm_prompt
-    else:
-        from ..serve import DEFAULT_MODEL, start_embedded_process, start_embedded_server
+    if ann.annotator == "teacher":
+        import math
 
-        name, threads = ann.llm_model or DEFAULT_MODEL, ann.embedded_threads or 1
-        if ann.embedded_server == "process":
-            log.info("starting the embedded LLM %s (a minute or two the first time) ...", name)
-            server = start_embedded_process(name, threads=threads)
-        else:
-            server = start_embedded_server(model=name, threads=threads)
-        urls, model = [server.url], server.model
-        prompt = "short" if ann.llm_prompt == "auto" else ann.llm_prompt
+        from ..annotators import SimulatedTeacher
+
+        beta = math.inf if ann.teacher_beta is None else ann.teacher_beta
+        return SimulatedTeacher(ann.goal, beta=beta, epsilon=ann.teacher_epsilon, seed=cfg.seed), None
+    endpoint, server = start_llm(cfg)
+    # the embedded server gets ONI's short yes/no prompt scored by logprobs; a URL gets the tagged prompt
+    prompt = ann.llm_prompt if ann.llm_prompt != "auto" else ("short" if server is not None else "tagged")
     small = prompt == "short"
     try:
         annotator = OpenAIAnnotator(
-            urls, model, goal=ann.goal, prompt=prompt, use_logprobs=small,
+            list(endpoint.urls), endpoint.model, goal=ann.goal, prompt=prompt, use_logprobs=small,
             ranking="scores" if small else "direct", batch_size=ann.llm_batch_size,
             max_concurrency=ann.llm_concurrency, timeout_s=ann.llm_timeout, api_key=ann.llm_api_key,
         )
@@ -142,25 +187,27 @@ class IntrinsicRewardHook:
         self.server = None
         self.annotation = None
         self.parts = None
+        self.claim = None
+        self.rune = None
+        self.feedback = None
+        self.snapshots = None
+        self._frames = 0
         self.heldout: Dict[str, float] = {}
         self.rm_last: Dict[str, float] = {}
         self._window = _RewardWindow()
+        self._rune_sum, self._rune_steps = 0.0, 0
         self._closed = False
         self._started = self._last_alert = time.monotonic()
         self._final_health: Optional[str] = None
         annotator = None
         try:
             device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
+            llm = None
             if self.spec.needs_annotator:
                 annotator, self.server = make_annotator(cfg)  # first: a dead server fails fast
                 self._open_store()
-                from ..annotation import LLMAnnotationTransform
-
-                self.annotation = LLMAnnotationTransform(
-                    self.store, annotator, batch_size=cfg.annotation.llm_batch_size,
-                    max_concurrency=cfg.annotation.llm_concurrency, captions=self.spec.labels,
-                    pairs=self.spec.pairs, close_annotator=True, poll_interval_s=0.5,
-                )
+            elif self.spec.llm and cfg.annotation.annotator == "llm":
+                llm, self.server = start_llm(cfg)
             rm = cfg.reward_model
             fraction = rm.time_fraction
             if fraction is None:
@@ -168,17 +215,112 @@ class IntrinsicRewardHook:
             schedule = RewardModelSchedule(rm.steps_per_labels, rm.switch_at, rm.steps_per_iteration,
                                            time_fraction=fraction)
             settings = getattr(cfg.reward, self.kind.replace("-", "_"), None) if self.spec.settings else None
-            wake = self.annotation.worker.wake if self.annotation is not None else (lambda: None)
             self.parts = self.spec.build(RewardContext(cfg=cfg, settings=settings, store=self.store, device=device,
-                                                       schedule=schedule, annotator=annotator, wake_annotator=wake))
+                                                       schedule=schedule, annotator=annotator, llm=llm,
+                                                       wake_annotator=self._wake_annotator))
+            self.reward = self.parts.reward
+            self.rm_trainer = self.parts.trainer
+            if self.spec.needs_annotator:
+                from ..annotation import LLMAnnotationTransform
+
+                self.claim = self._make_claim()
+                self.annotation = LLMAnnotationTransform(
+                    self.store, annotator, batch_size=cfg.annotation.llm_batch_size,
+                    max_concurrency=cfg.annotation.llm_concurrency, captions=self.spec.labels,
+                    pairs=self.spec.pairs, close_annotator=True, poll_interval_s=0.5, claim=self.claim,
+                )
+            if rm.rune_beta > 0:
+                from ..rewards.ensemble import rune_transform
+
+                self.rune = rune_transform(self.reward, rm.rune_beta, rm.rune_decay, message=cfg.reward.reward_message,
+                                           count_beta=cfg.reward.count_exponent)
+            if cfg.feedback.human_feedback:
+                self._start_feedback()
         except BaseException:
             self.close(save=False)  # a run that never started must not write a store
             raise
-        self.reward = self.parts.reward
-        self.rm_trainer = self.parts.trainer
-        self.transform = IntrinsicRewardTransform(self.reward, message=cfg.reward.reward_message,
-                                                  beta=cfg.reward.count_exponent, normalize=self.parts.normalize,
-                                                  threshold=self.parts.threshold)
+        # a type without a reward function writes ("next", "intrinsic_reward") in its own on_batch (ELLM)
+        self.transform = None if self.reward is None else IntrinsicRewardTransform(
+            self.reward, message=cfg.reward.reward_message, beta=cfg.reward.count_exponent,
+            normalize=self.parts.normalize, threshold=self.parts.threshold)
+
+    def env_transforms(self) -> list:
+        """Transforms every env worker applies (observations the policy needs at acting time)."""
+        return list(self.parts.env_transforms) if self.parts is not None else []
+
+    # ------------------------------------------------------------------ label efficiency, people
+    def _wake_annotator(self) -> None:
+        if self.annotation is not None:
+            self.annotation.worker.wake()
+
+    def _member_probabilities(self):
+        """``uint8[N,256] -> float[N, M]``: the caption reward model's members' P(helpful), or None."""
+        reward = self.reward
+        if hasattr(reward, "member_probabilities"):  # ClassifierEnsemble
+            return reward.member_probabilities
+        if hasattr(reward, "helpful_probability"):  # one ClassificationReward: a one-member "ensemble"
+            return lambda messages: reward.helpful_probability(messages)[:, None]
+        return None
+
+    def _make_claim(self):
+        """A :class:`~torchrl_oni.active.SelectiveClaim` when a budget or a rule other than the
+        store's own most-seen order is asked for single captions; else None (``store.claim``)."""
+        from ..active import LabelBudget, SelectiveClaim
+
+        ann = self.cfg.annotation
+        if not self.spec.labels or (ann.label_budget is None and ann.query_selection == "frequency"):
+            return None
+        budget = None
+        if ann.label_budget is not None:
+            budget = LabelBudget(ann.label_budget, ann.label_schedule, total_frames=self.cfg.frames)
+        member_probs = self._member_probabilities() if ann.query_selection in ("disagree", "entropy") else None
+        if ann.query_selection in ("disagree", "entropy") and member_probs is None:
+            raise ValueError(f"--query-selection {ann.query_selection} needs a reward model of captions "
+                             f"(--intrinsic-reward classification), not {self.kind!r}")
+        # a few requests' worth of candidates: each is scored by every member on every claim
+        pool = max(4 * ann.llm_batch_size, 64)
+        return SelectiveClaim(self.store, ann.query_selection, budget=budget, member_probs=member_probs,
+                              pool_size=pool, seed=self.cfg.seed)
+
+    def _start_feedback(self) -> None:
+        """The labelling page on the live store, and the screens shown beside its captions."""
+        from ..feedback import ScreenSnapshots, serve_feedback
+        from ..feedback.cli import default_screens_path
+
+        fb = self.cfg.feedback
+        path = default_screens_path(Path(self.store_path))
+        self.snapshots = ScreenSnapshots()
+        if path.is_file():
+            try:
+                self.snapshots = ScreenSnapshots.load(path)
+            except ValueError as err:  # screens are a convenience: never a reason not to train
+                log.warning("starting without the saved screens: %s", err)
+        scorer = pair_scorer = None
+        if getattr(self.reward, "members", None) is not None and len(self.reward.members) > 1:
+            # an ensemble: show people first what its members disagree on most
+            scorer = getattr(self.reward, "member_probabilities", None)
+            pair_scorer = getattr(self.reward, "pair_probabilities", None)
+        # prints the address once (with its access token off loopback)
+        self.feedback = serve_feedback(self.store, fb.feedback_host, fb.feedback_port, snapshots=self.snapshots,
+                                       scorer=scorer, pair_scorer=pair_scorer)
+
+    def _offer_screens(self, batch: TensorDictBase) -> TensorDictBase:
+        """Keeps the screens of captions new to the store; drops the screens from the batch."""
+        from ..envs.batched import SCREEN_KEYS
+
+        chars = batch.get("tty_chars", None)
+        if chars is None:
+            return batch
+        if self.snapshots is not None:
+            hashes = batch.get("caption_hash").reshape(-1)
+            unique, first = np.unique(hashes.numpy(), return_index=True)
+            new = self.store.slots(unique).numpy() < 0  # before the annotation transform adds them
+            if new.any():
+                rows = torch.from_numpy(first[new])
+                self.snapshots.offer(unique[new], chars.reshape(-1, *chars.shape[-2:])[rows],
+                                     batch.get("tty_colors").reshape(-1, *chars.shape[-2:])[rows])
+        # 7.7 kB a step that PPO must not carry through its minibatches
+        return batch.exclude(*SCREEN_KEYS, *(("next", k) for k in SCREEN_KEYS))
 
     # ------------------------------------------------------------------ store
     def _open_store(self) -> None:
@@ -193,23 +335,47 @@ class IntrinsicRewardHook:
             self.store = CaptionStore()
 
     def save_store(self) -> Optional[str]:
-        """Writes the caption store (labels, pairs) to ``--caption-store``; returns the path."""
+        """Writes the caption store (labels, pairs) to ``--caption-store``, and the screens kept for
+        the labelling page beside it; returns the store's path."""
         if self.store is None or self.store_path is None:
             return None
         self.store.save(self.store_path)
+        if self.snapshots is not None and len(self.snapshots):
+            from ..feedback.cli import default_screens_path
+
+            try:
+                self.snapshots.save(default_screens_path(Path(self.store_path)))
+            except OSError as err:  # the store is what matters; screens are a convenience
+                log.warning("cannot save the screens beside %s: %s", self.store_path, err)
         return self.store_path
 
     # ------------------------------------------------------------------ TrainHook API
     def on_batch(self, batch: TensorDictBase, trainer=None) -> TensorDictBase:
+        self._frames = int(trainer.frames) if trainer is not None else self._frames + batch.numel()
+        if self.claim is not None:
+            self.claim.set_frames(self._frames)
+        batch = self._offer_screens(batch)
         if self.annotation is not None:
             batch = self.annotation(batch)
         if self.parts.on_batch is not None:
-            batch = self.parts.on_batch(batch) or batch
-        batch = self.transform(batch)
-        self._window.add(batch, self.transform)
+            out = self.parts.on_batch(batch)
+            batch = batch if out is None else out
+        if self.transform is not None:
+            batch = self.transform(batch)
+            self._window.add(batch, self.transform)
+        if self.rune is not None:
+            # RUNE's bonus joins the intrinsic reward before the trainer mixes the rewards
+            batch = self.rune(batch)
+            bonus = batch.get(("next", self.rune.out_key))
+            key = ("next", INTRINSIC_REWARD_KEY)
+            batch.set(key, batch.get(key) + bonus)
+            self._rune_sum += float(bonus.sum())
+            self._rune_steps += bonus.numel()
         return batch
 
     def after_update(self, trainer=None) -> None:
+        if self.rune is not None:
+            self.rune.reward.step()
         if self.rm_trainer is None:
             return
         result = self.rm_trainer.after_iteration()
@@ -227,21 +393,34 @@ class IntrinsicRewardHook:
             out["labels/failed"] = s["failed"]
             out["labels/positive_fraction"] = s["positives"] / s["labelled"] if s["labelled"] else 0.0
             out["labels/seen_coverage"] = s["seen_coverage"]
+            out["labels/skipped"] = s["skipped"]
             if self.spec.pairs:
                 out["labels/pairs"] = s["pairs"]
                 out["labels/pairs_labelled"] = s["pairs_labelled"]
+                out["labels/pairs_skipped"] = s["pairs_skipped"]
         if self.annotation is not None:
             a = self.annotation.metrics()
             for key in ("labels_per_s", "labels_total", "preferences_total", "pending", "queue_depth",
-                        "coverage", "parse_failures", "server_errors", "latency_s", "requests_sent",
-                        "requests_unsent", "timeouts", "connection_errors", "caption_server_failures",
-                        "requeued_total", "given_up", "timeout_s", "request_batch", "servers_up"):
+                        "coverage", "parse_failures", "skipped", "claim_errors", "server_errors", "latency_s",
+                        "requests_sent", "requests_unsent", "timeouts", "connection_errors",
+                        "caption_server_failures", "requeued_total", "given_up", "timeout_s", "request_batch",
+                        "servers_up"):
                 if key in a:
                     out[f"annotation/{key}"] = float(a[key])
+        if self.claim is not None:
+            for key, value in self.claim.metrics().items():
+                out[f"annotation/{key}"] = float(value)
+        if self.feedback is not None:
+            self._feedback_metrics(out)
+        if self.rune is not None:
+            out["intrinsic/rune_beta"] = self.rune.reward.beta
+            if self._rune_steps:
+                out["intrinsic/rune_bonus"] = self._rune_sum / self._rune_steps
+            self._rune_sum, self._rune_steps = 0.0, 0
         if self.rm_trainer is not None:
             out["reward_model/steps"] = self.rm_trainer.total_steps
             out["reward_model/steps_owed"] = self.rm_trainer.schedule.owed
-            for key in ("loss", "train_accuracy", "accuracy"):
+            for key in ("loss", "train_accuracy", "accuracy", "pseudo_labelled"):
                 if key in self.rm_last and np.isfinite(self.rm_last[key]):
                     out[f"reward_model/{key}"] = float(self.rm_last[key])
             for key in ("heldout_accuracy", "heldout_balanced_accuracy"):
@@ -249,10 +428,24 @@ class IntrinsicRewardHook:
                     out[f"reward_model/{key}"] = float(self.heldout[key])
         if self.parts.metrics is not None:
             out.update(self.parts.metrics())
-        out.update(self._window.metrics())
-        self._window.write_top(os.path.join(self.run_dir, TOP_MESSAGES_NAME), self.kind)
-        self._window.reset()
+        if self.transform is not None:
+            out.update(self._window.metrics())
+            self._window.write_top(os.path.join(self.run_dir, TOP_MESSAGES_NAME), self.kind)
+            self._window.reset()
         return out
+
+    def _feedback_metrics(self, out: Dict[str, float]) -> None:
+        from ..store import HUMAN
+
+        page = self.feedback.metrics()
+        out["human/labels"] = page["human_labels"]  # this run's answers
+        out["human/compared"] = page["human_compared"]
+        if np.isfinite(page["human_agreement"]):  # agreement with the LLM's label, once compared
+            out["human/agreement"] = page["human_agreement"]
+        held = self.store.count_by(HUMAN)  # every person's label in the store, earlier runs included
+        out["human/captions_in_store"] = held["captions"]
+        out["human/pairs_in_store"] = held["pairs"]
+        out["human/page_up"] = float(self.feedback.running)
 
     # ------------------------------------------------------------------ saying it loudly
     def alert(self, metrics: Dict[str, float]) -> Optional[str]:
@@ -298,11 +491,17 @@ class IntrinsicRewardHook:
         if self.rm_trainer is not None:
             objects["rm_trainer"] = self.rm_trainer
             objects["rm_schedule"] = self.rm_trainer.schedule
+        if self.claim is not None:
+            objects["claim"] = self.claim  # the label budget spent
+        if self.rune is not None:
+            objects["rune"] = self.rune.reward  # the bonus's decay
         return objects
 
     def state_dict(self) -> dict:
         """Called at each checkpoint: also writes the caption store beside it."""
-        state = {"kind": self.kind, "transform": self.transform.state_dict(), "store_path": self.save_store()}
+        state = {"kind": self.kind, "store_path": self.save_store()}
+        if self.transform is not None:
+            state["transform"] = self.transform.state_dict()
         for name, obj in self._stateful().items():
             state[name] = obj.state_dict()
         return state
@@ -311,7 +510,8 @@ class IntrinsicRewardHook:
         if not state or state.get("kind") != self.kind:
             log.warning("checkpoint has no %s intrinsic-reward state; starting it fresh", self.kind)
             return
-        self.transform.load_state_dict(state["transform"])
+        if self.transform is not None and "transform" in state:
+            self.transform.load_state_dict(state["transform"])
         for name, obj in self._stateful().items():
             if name in state:
                 obj.load_state_dict(state[name])
@@ -322,6 +522,8 @@ class IntrinsicRewardHook:
             return
         self._closed = True
         try:
+            if self.feedback is not None:
+                self.feedback.stop()  # first: answers given until now land in the saved store
             if self.parts is not None and self.parts.close is not None:
                 self.parts.close()
             if self.annotation is not None:

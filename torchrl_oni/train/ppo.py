@@ -164,30 +164,32 @@ def resolve_device(name: str) -> torch.device:
 class EnvFactory:
     """Picklable env constructor for collector workers (one torch thread per env process)."""
 
-    def __init__(self, task, num_envs, seed, task_kwargs, primer_spec=None, screens=False):
+    def __init__(self, task, num_envs, seed, task_kwargs, primer_spec=None, screens=False, transforms=()):
         self.task, self.num_envs, self.seed = task, num_envs, seed
         self.task_kwargs = task_kwargs
         self.screens = screens  # the terminal too, for the labelling page (--human-feedback)
         self.recurrent = primer_spec is not None
         self.primer_spec = primer_spec
+        self.transforms = list(transforms)  # the hooks' acting-time observations (e.g. ELLM's goal)
 
     def __call__(self):
         torch.set_num_threads(1)
         env = NLEBatchEnv(self.task, self.num_envs, seed=self.seed, task_kwargs=self.task_kwargs, screens=self.screens)
+        transforms = list(self.transforms)
         if self.recurrent:
             from torchrl.envs import TensorDictPrimer
 
-            env = TransformedEnv(env, Compose(InitTracker(), TensorDictPrimer(self.primer_spec, expand_specs=True)))
-        return env
+            transforms += [InitTracker(), TensorDictPrimer(self.primer_spec, expand_specs=True)]
+        return TransformedEnv(env, Compose(*transforms)) if transforms else env
 
 
-def make_env_factory(cfg: TrainConfig, worker: int, primer_spec=None) -> Callable:
+def make_env_factory(cfg: TrainConfig, worker: int, primer_spec=None, transforms=()) -> Callable:
     task_kwargs = dict(
         timeout_as_termination=cfg.env.timeout_as_termination, max_episode_steps=cfg.env.max_episode_steps
     )
     seed = cfg.seed * 10_007 + worker
     return EnvFactory(cfg.env.task, cfg.env.envs_per_worker, seed, task_kwargs, primer_spec,
-                      screens=cfg.feedback.human_feedback)
+                      screens=cfg.feedback.human_feedback, transforms=transforms)
 
 
 class Trainer:
@@ -224,7 +226,9 @@ class Trainer:
         self.checkpoint_path = os.path.join(self.run_dir, CHECKPOINT_NAME)
 
         # a throw-away env gives the specs the networks are built from
-        probe = make_env_factory(cfg, 0)()
+        self.env_transforms = [t for hook in self.hooks if hasattr(hook, "env_transforms")
+                               for t in hook.env_transforms()]
+        probe = make_env_factory(cfg, 0, transforms=[t.clone() for t in self.env_transforms])()
         self.value_heads = cfg.ppo.value_heads
         self.actor, self.critic = make_actor_critic(probe, arch=cfg.ppo.arch, value_heads=cfg.ppo.value_heads)
         self.recurrent = cfg.ppo.arch in RECURRENT_ARCHS
@@ -328,7 +332,8 @@ class Trainer:
         from .distributed import make_collector
 
         cfg = self.cfg
-        factories = [make_env_factory(cfg, w + 1000 * self.iterations, self.primer_spec) for w in range(cfg.env.workers)]
+        factories = [make_env_factory(cfg, w + 1000 * self.iterations, self.primer_spec, self.env_transforms)
+                     for w in range(cfg.env.workers)]
         policy = self.actor
         if self.device.type != "cpu":
             import copy
