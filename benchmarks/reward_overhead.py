@@ -10,13 +10,17 @@ not on the training cores (in real runs it lives on a GPU server, or the embedde
 thread), so what is measured is the trainer-side cost: store inserts and lookups, the
 annotation worker thread, reward inference, reward-model training (classification/ranking, on
 ONI's schedule: 32 steps per new-label batch), pair queueing (ranking), BoW embedding (bow).
+ELLM gets its goals from the scripted goal suggester (rules, as the scripted annotator for
+labels) through its goal worker thread; what is measured is state captions, the goal table, and
+embedding transition messages with the default encoder (MiniLM when installed) on the learner.
 
 Usage::
 
     python benchmarks/reward_overhead.py --seconds 240
+    python benchmarks/reward_overhead.py --kinds ellm,retrieval  # only some types (and none)
 
 Prints a table, then, as the LAST line, one JSON object with ``fps_<type>`` and
-``ratio_<type>`` (= fps_type / fps_none) for retrieval, classification, ranking and bow.
+``ratio_<type>`` (= fps_type / fps_none) for retrieval, classification, ranking, bow and ellm.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from torchrl_oni.train import TrainConfig, Trainer  # noqa: E402
 from torchrl_oni.train.intrinsic import build_intrinsic_hooks  # noqa: E402
 from torchrl_oni.train.logging import read_metrics  # noqa: E402
 
-KINDS = ("none", "retrieval", "classification", "ranking", "bow")
+KINDS = ("none", "retrieval", "classification", "ranking", "bow", "ellm")
 
 
 def steady_fps(logdir: str, warmup: int) -> float:
@@ -69,7 +73,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3, help="iterations left out of each rate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated reward types to compare with none (default: {','.join(KINDS[1:])})")
     args = p.parse_args()
+    kinds = ("none",) + tuple(k for k in args.kinds.split(",") if k and k != "none")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        p.error(f"unknown reward type(s) {', '.join(unknown)}; choose from {', '.join(KINDS[1:])}")
     logging.disable(logging.INFO)
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="oni-reward-overhead-")
@@ -81,12 +91,12 @@ def main() -> None:
     probe_fps = run_once("none", probe_frames, args, root)
     probe_wall = time.perf_counter() - t0
     overhead_s = max(probe_wall - probe_frames / probe_fps, 1.0)  # start-up per run
-    per_run = max(args.seconds / (args.rounds * len(KINDS)) - overhead_s, 2.0)
+    per_run = max(args.seconds / (args.rounds * len(kinds)) - overhead_s, 2.0)
     frames = max(int(per_run * probe_fps * 0.8) // batch, args.warmup + 4) * batch
 
-    rates = {k: [] for k in KINDS}
+    rates = {k: [] for k in kinds}
     for r in range(args.rounds):
-        for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
             rates[kind].append(run_once(kind, frames, args, root))
             print(f"  round {r + 1}/{args.rounds}  {kind:<15} {rates[kind][-1]:8,.0f} frames/s", flush=True)
 
@@ -94,14 +104,14 @@ def main() -> None:
     print(f"\nreward overhead: {args.workers} worker(s) × {args.envs_per_worker} games, {frames:,} frames "
           f"per run, {args.rounds} rounds, scripted annotator, {os.cpu_count()} CPUs")
     print(f"{'reward':<16}{'frames/s (median)':>20}{'vs none':>10}{'min..max':>22}")
-    for kind in KINDS:
+    for kind in kinds:
         lo, hi = min(rates[kind]), max(rates[kind])
         print(f"{kind:<16}{fps[kind]:>20,.0f}{fps[kind] / fps['none']:>10.3f}{f'{lo:,.0f}..{hi:,.0f}':>22}")
     result = {"frames_per_run": frames, "rounds": args.rounds, "workers": args.workers,
               "envs_per_worker": args.envs_per_worker, "cpus": os.cpu_count()}
-    for kind in KINDS:
+    for kind in kinds:
         result[f"fps_{kind}"] = round(fps[kind], 1)
-    for kind in KINDS[1:]:
+    for kind in kinds[1:]:
         result[f"ratio_{kind}"] = round(fps[kind] / fps["none"], 4)
     print(json.dumps(result))
 

@@ -466,3 +466,23 @@ def test_a_failing_selection_rule_loses_nothing_and_keeps_the_worker_alive():
         metrics = transform.metrics()
     assert metrics["claim_errors"] == 2 and metrics["worker_running"] == 1.0
     assert store.stats()["pending"] == 0
+
+
+def test_a_crashed_worker_is_reported_and_the_caller_goes_on(caplog):
+    """An error outside the calls (here the store's pair queue) ends the worker's thread, never
+    the caller's: it is kept in ``crashed``, logged once, and named by ``health()``."""
+    store = _store_with({text: 1 for text in TEXTS})
+
+    def broken_claim_pairs(max_items):
+        raise OSError("the pair table is gone")
+
+    store.claim_pairs = broken_claim_pairs
+    worker = AnnotationWorker(store, KillAnnotator(), captions=False, poll_interval_s=0.02)
+    with caplog.at_level(logging.ERROR, logger="torchrl_oni.annotation"):
+        worker.start()
+        assert _wait_for(lambda: not worker.running)
+    assert isinstance(worker.crashed, OSError)
+    assert worker.health() == "annotation worker crashed: OSError: the pair table is gone"
+    assert worker.metrics()["worker_running"] == 0.0 and not worker.wait_idle(1)
+    assert [r.getMessage() for r in caplog.records] == ["annotation worker crashed"]
+    worker.stop()  # still fine

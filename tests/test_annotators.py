@@ -742,3 +742,62 @@ def test_pool_urls_are_checked():
         OpenAIAnnotator(["localhost:1", "http://localhost:1/v1"], "m")
     with pytest.raises(ValueError, match="no LLM server"):
         OpenAIAnnotator([], "m")
+
+
+# ---------------------------------------------------------------------------------- complete()
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_complete_sends_any_prompt_through_the_pool_and_returns_texts_or_failures(api):
+    """complete() is the request machinery of annotate(): answer texts in order, per-prompt
+    failures instead of exceptions, the caller's request settings in the payload."""
+    with FakeLLMServer() as a, FakeLLMServer() as b:
+        client = make_client(None, base_url=[a.url, b.url], api=api, batch_size=2, max_retries=0)
+        prompts = [P.classification_messages(c, "default") for c in CAPTIONS]
+
+        async def scenario():
+            try:
+                answers = await client.complete(prompts, max_tokens=64, temperature=0.7)
+                payload = a.last_payload
+                a.mode = b.mode = "http500"
+                failed = await client.complete(prompts[:2])
+                return answers, payload, failed, await client.complete([])
+            finally:
+                await client.aclose()
+
+        answers, payload, failed, none = run(scenario())
+    assert [parse_label(x.text) for x in answers] == EXPECTED and all(x.ok for x in answers)
+    assert payload["max_tokens"] == 64 and payload["temperature"] == 0.7 and "stop" not in payload
+    assert a.completed > 0 and b.completed > 0  # both servers of the pool answered
+    assert [(x.ok, x.error, x.text) for x in failed] == [(False, "http 500", "")] * 2 and none == []
+    assert client.metrics()["server_errors"] == (2 if api == "chat" else 1)
+
+
+def test_record_parse_feeds_the_metrics_and_the_health_counters(server):
+    client = make_client(server)
+
+    async def scenario():
+        try:
+            return await client.complete([P.classification_messages("You kill the newt!", "default")])
+        finally:
+            await client.aclose()
+
+    answer = run(scenario())[0]
+    client.record_parse(True, answer)
+    client.record_parse(False, answer)
+    assert (client.stats.labelled, client.stats.unparsable) == (1, 1)
+    m = client.metrics()
+    assert m["unparsable"] == 1 and m["server/0/labels_per_s"] > 0
+    assert client.recent()["unparsable"] == 1
+
+
+def test_the_only_served_model_is_found_by_check():
+    with FakeLLMServer(models=("Meta-Llama-3.1-8B-Instruct",)) as server:
+        client = OpenAIAnnotator(server.url, None)
+        assert client.model is None and client.provenance.model == ""
+        assert run(client.complete([[{"role": "user", "content": "hi"}]]))[0].error.startswith("no model")
+        run(check_and_close(client))
+        assert client.model == "Meta-Llama-3.1-8B-Instruct"
+        assert client.provenance.model == client.ranking_provenance.model == client.model
+        assert client.text_style == "llama-3"  # chosen from the name once it is known
+    with FakeLLMServer(models=("a", "b")) as server:
+        with pytest.raises(AnnotatorUnavailable, match="serves 2 models"):
+            run(check_and_close(OpenAIAnnotator(server.url, None)))

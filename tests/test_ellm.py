@@ -280,6 +280,41 @@ def test_openai_goal_suggester_on_a_dead_server_fails_fast_and_opens_the_circuit
     assert second[0].error == "circuit open"
 
 
+def test_openai_goal_suggester_spreads_a_pool_of_servers():
+    with GoalServer(latency_s=0.05) as a, GoalServer(latency_s=0.05) as b:
+        ellm = build_ellm_reward(annotator_kind="llm", url=[a.url, b.url], model="fake-model",
+                                 encoder="hashed", max_concurrency=1)
+        s = ellm.suggester
+        assert s.base_urls == [a.url, b.url]
+
+        async def run():
+            try:
+                return await s.suggest(MANY_STATES)
+            finally:
+                await s.aclose()
+
+        results = asyncio.run(run())
+        ellm.close()
+    assert [r.goals for r in results] == [ScriptedGoalSuggester().goals(c) for c in MANY_STATES]
+    assert a.completed + b.completed == len(MANY_STATES) and min(a.completed, b.completed) >= 2
+    m = s.metrics()
+    assert (m["server/0/requests"], m["server/1/requests"]) == (a.completed, b.completed)
+
+
+def test_openai_goal_suggester_reports_a_refused_api_key_without_retrying():
+    with GoalServer(api_key="secret") as server:
+        s = OpenAIGoalSuggester(server.url, "fake-model", api_key="wrong")
+
+        async def run():
+            try:
+                return await s.suggest(STATES[:1])
+            finally:
+                await s.aclose()
+
+        result = asyncio.run(run())[0]
+        assert result.error == "server refused the API key (HTTP 401)" and server.unauthorized == 1
+
+
 def test_openai_goal_suggester_rejects_bad_settings():
     with pytest.raises(ValueError, match="invalid LLM server URL"):
         OpenAIGoalSuggester("ftp://x", "m")
@@ -288,8 +323,8 @@ def test_openai_goal_suggester_rejects_bad_settings():
 
 
 # --------------------------------------------------------------------------- goal table
-def test_goal_table_queue_retry_and_give_up():
-    table = GoalTable(max_goals=3, max_attempts=2, retry_backoff_s=0.05)
+def test_goal_table_retries_server_faults_forever_and_gives_up_unparsable_answers():
+    table = GoalTable(max_goals=3, max_attempts=2, retry_backoff_s=0.05, server_retry_s=0.05)
     assert table.add([1, 2, 3], ["s1", "s2", "s3"], counts=[1, 5, 2]).tolist() == [True] * 3
     assert table.add([2], ["s2"]).tolist() == [False]
     hashes, captions = table.claim(2)
@@ -298,12 +333,24 @@ def test_goal_table_queue_retry_and_give_up():
     assert table.goals_of(2) == ("a", "b", "c") and table.goals_of(3) is None
     assert table.mark_failed([3], "http 500") == 0
     assert table.claim(10)[0] == [1]  # state 3 waits for its backoff
+    assert table.stats()["retrying"] == 1 and table.claimable() == 0
+    time.sleep(0.06)
+    assert table.claimable() == 1 and table.claim(10)[0] == [3]
+    for _ in range(3):  # more server faults than max_attempts: never given up
+        assert table.mark_failed([3], "timeout") == 0
+        assert table.claim(10)[0] == []  # waiting (0.1 s, 0.2 s, 0.4 s: doubling)...
+        assert table.requeue_server_failures() == 1  # ...until a server answers again
+        assert table.claim(10)[0] == [3]
+    assert table.requeue_server_failures() == 0  # nothing waits now
+    assert table.mark_failed([3], "unparsable") == 0  # an attempt: back after retry_backoff_s
+    assert table.requeue_server_failures() == 0 and table.claim(10)[0] == []
     time.sleep(0.06)
     assert table.claim(10)[0] == [3]
-    assert table.mark_failed([3, 2], "timeout") == 1  # gave up on 3; 2 keeps its goals
+    assert table.mark_failed([3, 2], "unparsable") == 1  # gave up on 3; 2 keeps its goals
+    assert table.mark_failed([3], "timeout") == 0  # a late failure changes nothing
     stats = table.stats()
-    assert (stats["done"], stats["failed"], stats["pending"]) == (1, 1, 1)
-    assert table.error_counts == {"http 500": 1, "timeout": 1}
+    assert (stats["done"], stats["failed"], stats["pending"], stats["retrying"]) == (1, 1, 1, 0)
+    assert table.error_counts == {"http 500": 1, "timeout": 3, "unparsable": 2}
     assert table.release() == 1 and table.retry_failed() == 1
     assert table.lookup(torch.tensor([[2, 9]])).tolist() == [[[0, 1, 2], [-1, -1, -1]]]
 
@@ -334,6 +381,24 @@ def test_goal_table_saves_and_loads_safely(tmp_path):
         GoalTable.load(path, max_goals=3)
 
 
+def test_goal_tables_of_version_1_get_their_given_up_states_back(tmp_path):
+    """Version 1 gave states up after server faults too: they are asked again after loading."""
+    table = GoalTable(max_goals=2, max_attempts=1)
+    table.add([10, 20], ["x", "y"])
+    table.claim(2)
+    table.set_goals([10], [["kill the newt"]], Provenance("scripted"))
+    assert table.mark_failed([20], "unparsable") == 1
+    path = table.save(tmp_path / "goals.pt")
+    assert GoalTable.load(path).stats()["failed"] == 1  # version 2: an unparsable answer is final
+    data = torch.load(path, weights_only=True)
+    data["version"] = 1
+    del data["config"]["server_retry_s"]
+    torch.save(data, tmp_path / "v1.pt")
+    old = GoalTable.load(tmp_path / "v1.pt")
+    assert (old.stats()["failed"], old.stats()["unseen"], old.stats()["done"]) == (0, 1, 1)
+    assert old.claim(5) == ([20], ["y"])
+
+
 # --------------------------------------------------------------------------- goal worker
 class FlakySuggester:
     """Fails its first call (an exception), answers an unparsable error once, then works."""
@@ -356,7 +421,7 @@ class FlakySuggester:
 
 
 def test_goal_worker_retries_failures_until_goals_arrive():
-    table = GoalTable(retry_backoff_s=0.01)
+    table = GoalTable(retry_backoff_s=0.01, server_retry_s=0.01)
     table.add([1, 2], ["a", "b"])
     worker = GoalWorker(table, FlakySuggester(), batch_size=10, poll_interval_s=0.02).start()
     try:
@@ -395,6 +460,80 @@ def test_goal_worker_stop_releases_pending_states():
     assert table.stats()["pending"] == 1
     worker.stop(timeout=0.1)
     assert table.stats()["unseen"] == 1 and not worker.running
+
+
+def wait_for(condition, timeout=15.0, step=0.02):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(step)
+    return condition()
+
+
+MANY_STATES = [f"Dungeon level {d}. You are healthy and not hungry. Nearby: {what}."
+               for d in (1, 2) for what in ("gold", "a newt", "a fountain")]
+
+
+@pytest.mark.parametrize("new_state_while_down", [False, True])
+def test_a_goal_server_outage_then_recovery_gives_every_state_its_goals(new_state_while_down):
+    """Server faults are queued again, never given up (even with max_attempts=1); while the
+    server is out nothing is claimed or sent; when its health check answers, the waiting states
+    are requeued at once (their own backoff, 60 s, would outlast the test). Without a new state
+    every state is waiting then, so only that requeue lets a request through."""
+    server = GoalServer().start()
+    server.stop()
+    first = MANY_STATES[:5]
+    states = MANY_STATES if new_state_while_down else first
+    table = GoalTable(max_attempts=1, server_retry_s=60.0)
+    table.add(range(len(first)), first)
+    # 5 calls in flight: the first round claims every state, and every one fails
+    suggester = OpenAIGoalSuggester(server.url, "fake-model", max_retries=0, max_concurrency=5,
+                                    circuit_failures=2, circuit_cooldown_s=60.0, probe_interval_s=0.05)
+    worker = GoalWorker(table, suggester, poll_interval_s=0.05).start()
+    try:
+        assert wait_for(lambda: not suggester.available() and table.stats()["pending"] == 0)
+        if new_state_while_down:
+            table.add([len(first)], [MANY_STATES[5]])
+            worker.wake()
+        sent = suggester.metrics()["requests_sent"]
+        time.sleep(0.3)
+        down = table.stats()
+        assert suggester.metrics()["requests_sent"] == sent  # nothing sent, nothing claimed
+        assert (down["failed"], down["done"], down["pending"], down["unseen"]) == (0, 0, 0, len(states))
+        assert down["retrying"] == 5 and sum(table.error_counts.values()) == 5
+        assert set(table.error_counts) <= {"connection error", "circuit open"}
+        server.start()  # same port
+        assert wait_for(lambda: table.stats()["done"] == len(states))
+        assert worker.wait_idle(10)
+    finally:
+        worker.stop()
+        server.stop()
+    assert all(table.goals_of(h) == ScriptedGoalSuggester().goals(c) for h, c in enumerate(states))
+    m = worker.metrics()
+    assert table.stats()["failed"] == 0 and m["parse_failures"] == 0
+    assert m["server_errors"] == 5 and m["requeued_total"] == 5
+    assert m["states_done"] == len(states) and suggester.recoveries == 1
+
+
+def test_unparsable_goal_answers_are_given_up_after_max_attempts_and_counted():
+    with GoalServer(mode="no_label") as server:
+        table = GoalTable(max_attempts=2, retry_backoff_s=0.01)
+        table.add([1, 2, 3], MANY_STATES[:3])
+        suggester = OpenAIGoalSuggester(server.url, "fake-model", api="completions", batch_size=3)
+        worker = GoalWorker(table, suggester, poll_interval_s=0.02).start()
+        try:
+            assert wait_for(lambda: table.stats()["failed"] == 3)
+            assert worker.wait_idle(10)  # nothing left to ask: given-up states are not claimable
+            sent = server.requests
+            worker.wake()
+            time.sleep(0.1)
+            assert server.requests == sent
+        finally:
+            worker.stop()
+    stats, m = table.stats(), worker.metrics()
+    assert (stats["failed"], stats["unseen"], stats["done"], stats["retrying"]) == (3, 0, 0, 0)
+    assert table.error_counts == {"unparsable": 6}
+    assert m["parse_failures"] == 6 and m["server_errors"] == 0 and m["states_done"] == 0
+    assert suggester.stats.unparsable == 6 and suggester.metrics()["unparsable"] == 6
 
 
 # --------------------------------------------------------------------------- the once-per-episode rule
@@ -664,7 +803,10 @@ def test_ellm_with_an_llm_server_end_to_end():
                                  api="completions")  # the only served model is found
         assert ellm.suggester.model == "fake-model"
         try:
-            batch = transition_batch([[NEWT_STATE, STAIRS_STATE]], [["You kill the newt!", ""]])
+            # each batch is a whole episode: the newt pays in the second even when the goals came
+            # back fast enough to pay in the first already
+            batch = transition_batch([[NEWT_STATE, STAIRS_STATE]], [["You kill the newt!", ""]],
+                                     done=[[False, True]])
             ellm.on_batch(batch.clone())
             deadline = time.monotonic() + 30  # a request that failed on a busy machine is retried
             while ellm.table.stats()["done"] < 2 and time.monotonic() < deadline:
@@ -809,3 +951,27 @@ def test_goal_embedding_transform_reads_what_the_hook_publishes():
     finally:
         ellm.close()
         collector.shutdown()
+
+
+def test_shared_goal_embeddings_survive_cloudpickle_and_clone_by_reference():
+    """TorchRL's collectors cloudpickle env constructors; the copy must read the writer's table
+    (ordinary shared-memory tensors would travel by value and stay empty in the worker)."""
+    import copy
+    import os
+
+    import cloudpickle
+
+    from torchrl_oni.rewards.ellm import SharedGoalEmbeddings
+
+    table = SharedGoalEmbeddings(dim=4, capacity=16)
+    reader = cloudpickle.loads(cloudpickle.dumps(table))
+    assert copy.deepcopy(table) is table
+    table.put(torch.tensor([5]), torch.ones(1, 4))  # written after the copy was made
+    assert reader.get(torch.tensor([5])).tolist() == [[1.0] * 4]
+    path = table.path
+    del reader
+    assert os.path.isdir(path)  # a reader's copy never removes the writer's files
+    table.close()
+    assert not os.path.exists(path)
+    with pytest.raises(RuntimeError, match="is gone"):
+        cloudpickle.loads(cloudpickle.dumps(table))

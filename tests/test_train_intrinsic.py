@@ -172,7 +172,7 @@ def test_dead_llm_url_is_one_error_line_and_exit_2(tmp_path):
 @pytest.mark.parametrize("flags, words", [
     (["--intrinsic-reward", "motif"], "--reward-model"),
     (["--intrinsic-reward", "motif", "--reward-model", "/nonexistent/motif.pt"], "no reward checkpoint"),
-    (["--intrinsic-reward", "retrieval", "--llm-url", "http://127.0.0.1:1/v1"], "--llm-model"),
+    (["--intrinsic-reward", "retrieval", "--llm-url", "http://127.0.0.1:1/v1"], "cannot reach"),
     (["--intrinsic-reward", "bow", "--goal", "zero-knowledge"], "goal"),
 ])
 def test_bad_intrinsic_settings_exit_2(tmp_path, capsys, flags, words):
@@ -233,3 +233,26 @@ def test_the_summary_prints_the_warning(capsys):
     _print_summary(TrainConfig(), {"frames": 10.0, "warnings": ["ONI barely ran: 0 of 5 captions labelled"]})
     out = capsys.readouterr().out
     assert "!! ONI barely ran" in out
+
+
+def test_goal_conditioned_ellm_policy_sees_goals_at_acting_time(tmp_path):
+    """--ellm-goal-conditioned: env workers write goal_embedding (from the goals the trainer's table
+    learned), the policy reads it, and the collected batches carry non-zero embeddings."""
+    from torchrl_oni.train import TrainConfig, Trainer
+    from torchrl_oni.train.intrinsic import build_intrinsic_hooks
+
+    cfg = TrainConfig(intrinsic_reward="ellm", annotator="scripted", ellm_goal_conditioned=True, ellm_encoder="hashed",
+                      frames=4096, workers=1, envs_per_worker=8, rollout=32, minibatch_size=256,
+                      logdir=str(tmp_path), progress=False, tensorboard=False)
+    seen = []
+
+    def record(batch):  # runs before the hooks: what the workers wrote while acting
+        seen.append(float(batch.get("goal_embedding").abs().sum(-1).gt(0).float().mean()))
+        return batch
+
+    hooks = build_intrinsic_hooks(cfg)
+    trainer = Trainer(cfg, hooks=hooks, batch_transforms=[record])
+    assert "goal_embedding" in trainer.actor.in_keys
+    trainer.train()
+    assert len(seen) == 16 and seen[0] == 0.0, seen  # no goals known before the first batch
+    assert max(seen[1:]) > 0.2, seen  # later batches: the workers read the trainer's goals

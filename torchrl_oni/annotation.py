@@ -52,12 +52,10 @@ Example:
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
-import threading
 import time
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -66,6 +64,7 @@ from torchrl.data import Categorical, Composite
 from torchrl.envs.transforms import Transform
 
 from torchrl_oni.annotators.base import Annotator
+from torchrl_oni.background import BackgroundLoop
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, hash_messages
 from torchrl_oni.store import CaptionStore, is_parse_failure, is_skip
 
@@ -97,14 +96,15 @@ def _one_line(value, limit: int = 160) -> str:
     return " ".join(str(value).split())[:limit]
 
 
-class AnnotationWorker:
+class AnnotationWorker(BackgroundLoop):
     """A thread with its own asyncio loop that labels the store's unseen captions.
 
     Each round it claims captions (most frequently seen first; and, when ``pairs`` is True,
     pairs), keeps ``annotate``/``compare`` calls in flight, and writes the results back:
     ``set_labels`` for good labels, ``mark_failed(kind)`` for failures. The store puts server
     faults back in the queue (never given up) and gives a caption up only after repeated
-    unparsable answers. It sleeps until :meth:`wake` or ``poll_interval_s``.
+    unparsable answers. It sleeps until :meth:`wake` or ``poll_interval_s``. The thread, its
+    loop and the start/stop/wake/idle machinery are :class:`~torchrl_oni.background.BackgroundLoop`'s.
 
     The annotator may steer the worker (``OpenAIAnnotator`` does; all optional):
 
@@ -112,8 +112,9 @@ class AnnotationWorker:
       open). The worker then claims nothing, so no caption is held or refused;
     * ``recoveries`` (an int attribute): bumped when a server that was out answers again. The
       worker then calls ``store.requeue_server_failures()``, so the captions that failed
-      meanwhile go back in the queue at once (without the attribute: when ``available()``
-      turns True again). It also calls it when it starts (a resumed or reused store);
+      meanwhile go back in the queue at once; it does so too when ``available()`` turns True
+      again (a health check lets a request through), and when it starts (a resumed or reused
+      store);
     * ``batch_hint()``: captions per call (at most ``batch_size``): one request's worth, so a
       claim happens just before its request and the most frequent captions go first;
     * ``concurrency_hint()``: calls in flight (instead of ``max_concurrency``);
@@ -162,6 +163,12 @@ class AnnotationWorker:
         1
     """
 
+    what = "annotation"
+    noun = "captions"
+    failure_log = ("annotation failures since the last report (captions; server faults are "
+                   "retried, unparsable answers given up after a few tries): %s")
+    crash_log = "annotation worker crashed"
+
     def __init__(
         self,
         store: CaptionStore,
@@ -176,108 +183,26 @@ class AnnotationWorker:
         log_interval_s: float = 60.0,
         claim: Optional[Claim] = None,
     ):
-        if batch_size < 1 or max_concurrency < 1:
-            raise ValueError("batch_size and max_concurrency must be >= 1")
         if claim is not None and not callable(claim):
             raise TypeError(f"claim must be callable (max_items -> (hashes, texts)), got {type(claim).__name__}")
+        super().__init__(annotator, batch_size=batch_size, max_concurrency=max_concurrency,
+                         poll_interval_s=poll_interval_s, log_interval_s=log_interval_s,
+                         close_client=close_annotator, name="oni-annotation", logger=logger)
         self.captions = bool(captions)
         self.store = store
         self.claim = claim if claim is not None else store.claim
         self.annotator = annotator
-        self.batch_size = int(batch_size)
-        self.max_concurrency = int(max_concurrency)
-        self.poll_interval_s = float(poll_interval_s)
         self.pairs = pairs and hasattr(annotator, "compare")
-        self.close_annotator = close_annotator
-        self.log_interval_s = float(log_interval_s)
-        self._thread: Optional[threading.Thread] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._wake_event: Optional[asyncio.Event] = None
-        self._ready = threading.Event()
-        self._stopping = False
-        self._drain_timeout_s = 5.0
-        self._metrics_lock = threading.Lock()
-        self._in_flight = 0
-        self._idle = threading.Event()
-        # wake() bumps this; the worker only declares itself idle if no wake came in since it
-        # last looked for work (else a caption added mid-round could be missed by wait_idle).
-        self._wake_seq = 0
-        self._idle_lock = threading.Lock()
-        self._started_at: Optional[float] = None
         self._label_times: Deque[Tuple[float, int]] = collections.deque()
-        self._failure_times: Deque[Tuple[float, str, int]] = collections.deque(maxlen=4096)
-        self._latencies: Deque[float] = collections.deque(maxlen=100)
-        self._call_started: Dict[asyncio.Future, float] = {}
-        self._was_available = True
-        self._recoveries_seen = getattr(annotator, "recoveries", None)
         self.labels_total = 0
         self.preferences_total = 0
-        self.requests_total = 0
-        self.parse_failures = 0
-        self.skipped = 0
         self.claim_errors = 0
         self._last_claim_error_log = float("-inf")
-        self.caption_server_failures = 0
-        self.requeued_total = 0
-        self.failures_by_kind: Dict[str, int] = {}
-        self._unlogged_failures: Dict[str, int] = {}
-        self._last_failure_log = float("-inf")
-        self.crashed: Optional[BaseException] = None
 
-    # ------------------------------------------------------------------ control
     @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self) -> "AnnotationWorker":
-        """Starts the thread (no-op when already running). Returns ``self``."""
-        if self.running:
-            return self
-        self._stopping = False
-        self._ready.clear()
-        self._idle.clear()
-        self._started_at = time.monotonic()
-        # A resumed or reused store may hold captions that failed for server reasons (stores
-        # written by older versions even gave them up): they go back in the queue.
-        self._requeue("worker start")
-        self._thread = threading.Thread(target=self._thread_main, name="oni-annotation", daemon=True)
-        self._thread.start()
-        self._ready.wait(timeout=10)
-        return self
-
-    def wake(self) -> None:
-        """Tells the worker there may be new captions (thread-safe, never blocks)."""
-        with self._idle_lock:
-            self._wake_seq += 1
-            self._idle.clear()
-        loop, event = self._loop, self._wake_event
-        if loop is not None and event is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the loop closed between the check and the call
-                pass
-
-    def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until nothing is in flight and nothing is claimable (for tests and shutdown).
-
-        Returns False on timeout. Captions waiting for a retry backoff do not count as work.
-        """
-        if not self.running:
-            return False
-        self.wake()
-        return self._idle.wait(timeout)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stops the worker: in-flight calls get ``timeout`` seconds to finish, then are
-        cancelled and their captions released back to unseen, so nothing is lost."""
-        if self._thread is None:
-            return
-        self._drain_timeout_s = float(timeout)
-        self._stopping = True
-        self.wake()
-        self._thread.join(timeout + 5.0)
-        self._thread = None
-        self._flush_failure_log(force=True)
+    def caption_server_failures(self) -> int:
+        """Captions and pairs sent back to the queue for a server reason."""
+        return self.server_failures
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> Dict[str, float]:
@@ -301,30 +226,20 @@ class AnnotationWorker:
         """
         now = time.monotonic()
         out: Dict[str, float] = {k: 0.0 for k in _ANNOTATOR_COUNTERS}
-        annotator_metrics = getattr(self.annotator, "metrics", None)
-        if callable(annotator_metrics):
-            try:
-                out.update(annotator_metrics())
-            except Exception:  # noqa: BLE001 - metrics must never break the trainer
-                logger.debug("annotator.metrics() failed", exc_info=True)
+        out.update(self._client_call("metrics", {}))
         with self._metrics_lock:
             recent = sum(n for t, n in self._label_times if now - t <= 60.0)
             window = min(60.0, now - self._started_at) if self._started_at is not None else 0.0
-            latencies = list(self._latencies)
+            out.update(self._loop_metrics())
             out.update({
                 "labels_per_s": recent / window if window > 0 else 0.0,
                 "labels_total": self.labels_total,
                 "preferences_total": self.preferences_total,
-                "requests_total": self.requests_total,
-                "in_flight": self._in_flight,
-                "parse_failures": self.parse_failures,
                 "skipped": self.skipped,
                 "claim_errors": self.claim_errors,
-                "caption_server_failures": self.caption_server_failures,
+                "caption_server_failures": self.server_failures,
                 "requeued_total": self.requeued_total,
-                "latency_s": float(np.mean(latencies)) if latencies else 0.0,
-                "latency_max_s": float(np.max(latencies)) if latencies else 0.0,
-                "worker_running": float(self.running),
+                "latency_max_s": float(np.max(self._latencies)) if self._latencies else 0.0,
             })
         return out
 
@@ -357,9 +272,9 @@ class AnnotationWorker:
             oldest = min(self._call_started.values(), default=None)
             in_flight = self._in_flight
         span = min(window_s, max(now - (self._started_at or now), 1e-9))
-        recent = self._annotator_call("recent", {}, window_s)
-        state = self._annotator_call("describe", "")
-        sizing = self._annotator_call("metrics", {})
+        recent = self._client_call("recent", {}, window_s)
+        state = self._client_call("describe", "")
+        sizing = self._client_call("metrics", {})
         tail = f"; {state}" if state else ""
         if labels:
             rate = labels / span
@@ -404,147 +319,27 @@ class AnnotationWorker:
                     f"for {now - oldest:.0f} s" + (f" (time limit {limit:.0f} s)" if limit else ""))
         return head + "nothing sent yet"
 
-    def _annotator_call(self, name: str, default, *args):
-        fn = getattr(self.annotator, name, None)
-        if not callable(fn):
-            return default
-        try:
-            return fn(*args)
-        except Exception:  # noqa: BLE001 - a summary must never break the trainer
-            logger.debug("annotator.%s() failed", name, exc_info=True)
-            return default
-
     def _record_success(self, n_labels: int, n_prefs: int, latency: float) -> None:
         now = time.monotonic()
         with self._metrics_lock:
-            self.requests_total += 1
+            self._count_call(latency)
             self.labels_total += n_labels
             self.preferences_total += n_prefs
-            self._latencies.append(latency)
             if n_labels + n_prefs:
                 self._label_times.append((now, n_labels + n_prefs))
             while self._label_times and now - self._label_times[0][0] > 600.0:
                 self._label_times.popleft()
 
-    def _record_failures(self, kinds: Sequence[str]) -> None:
-        now = time.monotonic()
-        with self._metrics_lock:
-            for kind in kinds:
-                if is_skip(kind):
-                    self.skipped += 1
-                    continue  # an answer, not a failure: not in the failure log or the health line
-                if is_parse_failure(kind):
-                    self.parse_failures += 1
-                else:
-                    self.caption_server_failures += 1
-                self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
-                self._unlogged_failures[kind] = self._unlogged_failures.get(kind, 0) + 1
-            for kind in set(kinds) - {k for k in kinds if is_skip(k)}:
-                self._failure_times.append((now, kind, sum(1 for k in kinds if k == kind)))
-        self._flush_failure_log()
-
-    def _flush_failure_log(self, force: bool = False) -> None:
-        now = time.monotonic()
-        with self._metrics_lock:
-            if not self._unlogged_failures:
-                return
-            if not force and now - self._last_failure_log < self.log_interval_s:
-                return
-            summary = ", ".join(f"{k}: {v}" for k, v in sorted(self._unlogged_failures.items()))
-            self._unlogged_failures = {}
-            self._last_failure_log = now
-        logger.warning("annotation failures since the last report (captions; server faults are "
-                       "retried, unparsable answers given up after a few tries): %s", summary)
-
-    def _requeue(self, why: str) -> int:
+    # ------------------------------------------------------------------ the loop's work
+    def _requeue_failed(self) -> int:
         requeue = getattr(self.store, "requeue_server_failures", None)
-        if not callable(requeue):
-            return 0
-        n = int(requeue())
-        if n:
-            with self._metrics_lock:
-                self.requeued_total += n
-            logger.info("annotation: %d captions that failed for server reasons are queued again (%s)", n, why)
-        return n
-
-    # ------------------------------------------------------------------ the loop
-    def _thread_main(self) -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(self._main(loop))
-        except BaseException as err:  # keep the trainer alive; report through metrics/logs
-            self.crashed = err
-            logger.exception("annotation worker crashed")
-        finally:
-            self._loop = None
-            self._wake_event = None
-            self._ready.set()
-            self._idle.set()
-            loop.close()
-
-    async def _main(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._wake_event = asyncio.Event()
-        self._loop = loop
-        self._ready.set()
-        in_flight: set = set()
-        while not self._stopping:
-            seq = self._wake_seq
-            available = self._annotator_call("available", True)
-            recoveries = getattr(self.annotator, "recoveries", None)
-            if recoveries is not None:
-                if recoveries != self._recoveries_seen:
-                    self._requeue("an LLM server answers again")
-                self._recoveries_seen = recoveries
-            elif available and not self._was_available:
-                self._requeue("the annotator is available again")
-            self._was_available = available
-            # While no request could be sent, claim nothing: no caption is held or refused.
-            limit = max(1, int(self._annotator_call("concurrency_hint", self.max_concurrency)))
-            while available and len(in_flight) < limit:
-                task = self._next_task()
-                if task is None:
-                    break
-                in_flight.add(task)
-                self._call_started[task] = time.monotonic()
-            with self._metrics_lock:
-                self._in_flight = len(in_flight)
-            if not in_flight and (available or not self._claimable()):
-                with self._idle_lock:
-                    if self._wake_seq == seq:
-                        self._idle.set()
-            wake = asyncio.ensure_future(self._wake_event.wait())
-            done, _ = await asyncio.wait(
-                in_flight | {wake}, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
-            )
-            wake.cancel()
-            self._wake_event.clear()
-            in_flight -= done
-            with self._metrics_lock:
-                for task in done:
-                    self._call_started.pop(task, None)
-        # Shutdown: give in-flight calls a moment, then cancel them (their captions are
-        # released; the annotator's aclose closes the connections so servers stop the work).
-        if in_flight:
-            _, still = await asyncio.wait(in_flight, timeout=self._drain_timeout_s)
-            for task in still:
-                task.cancel()
-            if still:
-                await asyncio.gather(*still, return_exceptions=True)
-        with self._metrics_lock:
-            self._in_flight = 0
-            self._call_started.clear()
-        if self.close_annotator and hasattr(self.annotator, "aclose"):
-            try:
-                await self.annotator.aclose()
-            except Exception:
-                logger.exception("annotator.aclose() failed")
+        return int(requeue()) if callable(requeue) else 0
 
     def _claimable(self) -> int:
         fn = getattr(self.store, "claimable", None)
         return fn(captions=self.captions, pairs=self.pairs) if callable(fn) else 0
 
-    def _next_task(self) -> Optional[asyncio.Task]:
-        batch = max(1, min(self.batch_size, int(self._annotator_call("batch_hint", self.batch_size))))
+    def _next_call(self, batch: int):
         if self.captions:
             try:
                 hashes, texts = self.claim(batch)
@@ -560,11 +355,11 @@ class AnnotationWorker:
                                    _one_line(err))
                 hashes, texts = None, []
             if texts:
-                return asyncio.ensure_future(self._annotate(hashes, texts))
+                return self._annotate(hashes, texts)
         if self.pairs:
             slots, pairs = self.store.claim_pairs(batch)
             if pairs:
-                return asyncio.ensure_future(self._compare(slots, pairs))
+                return self._compare(slots, pairs)
         return None
 
     def _claim_call(self, name: str, hashes: torch.Tensor) -> None:
@@ -583,22 +378,16 @@ class AnnotationWorker:
         else:
             self._claim_call("refund", hashes)  # a server fault costs nothing; asked again later
 
+    def _release_captions(self, hashes: torch.Tensor) -> None:
+        self.store.release(hashes)
+        self._claim_call("refund", hashes)
+
     async def _annotate(self, hashes: torch.Tensor, texts: List[str]) -> None:
         start = time.monotonic()
-        try:
-            labels = await self.annotator.annotate(texts)
-        except asyncio.CancelledError:
-            self.store.release(hashes)
-            self._claim_call("refund", hashes)
-            raise
-        except Exception as err:
-            kind = type(err).__name__
-            self._fail_captions(hashes, kind)
-            self._record_failures([kind] * len(texts))
-            return
-        if len(labels) != len(texts):
-            self._fail_captions(hashes, "wrong_count")
-            self._record_failures(["wrong_count"] * len(texts))
+        labels = await self._results(self.annotator.annotate(texts), len(texts),
+                                     release=lambda: self._release_captions(hashes),
+                                     fail=lambda kind: self._fail_captions(hashes, kind))
+        if labels is None:
             return
         ok = [i for i, label in enumerate(labels) if label.ok]
         written = 0
@@ -611,46 +400,29 @@ class AnnotationWorker:
                 scores=[np.nan if labels[i].score is None else labels[i].score for i in ok],
             ).sum())
             self._claim_call("settle", hashes[ok])
-        failed: Dict[str, List[int]] = {}
-        for i, label in enumerate(labels):
-            if not label.ok:
-                failed.setdefault(label.error or "no_value", []).append(i)
+        failed = self._failures(labels)
         for kind, idx in failed.items():
             self._fail_captions(hashes[idx], kind)
         self._record_success(written, 0, time.monotonic() - start)
-        if failed:
-            self._record_failures([k for k, idx in failed.items() for _ in idx])
+        self._record_failures({kind: len(idx) for kind, idx in failed.items()})
 
     async def _compare(self, slots: torch.Tensor, pairs: List[Tuple[str, str]]) -> None:
         start = time.monotonic()
-        try:
-            prefs = await self.annotator.compare(pairs)
-        except asyncio.CancelledError:
-            self.store.release_pairs(slots)
-            raise
-        except Exception as err:
-            kind = type(err).__name__
-            self.store.mark_pairs_failed(slots, kind)
-            self._record_failures([kind] * len(pairs))
-            return
-        if len(prefs) != len(pairs):
-            self.store.mark_pairs_failed(slots, "wrong_count")
-            self._record_failures(["wrong_count"] * len(pairs))
+        prefs = await self._results(self.annotator.compare(pairs), len(pairs),
+                                    release=lambda: self.store.release_pairs(slots),
+                                    fail=lambda kind: self.store.mark_pairs_failed(slots, kind))
+        if prefs is None:
             return
         ok = [i for i, p in enumerate(prefs) if p.ok]
         written = 0
         if ok:
             written = int(self.store.set_preferences(slots[ok], [prefs[i].value for i in ok],
                                                      [prefs[i].provenance for i in ok]).sum())
-        failed: Dict[str, List[int]] = {}
-        for i, p in enumerate(prefs):
-            if not p.ok:
-                failed.setdefault(p.error or "no_value", []).append(i)
+        failed = self._failures(prefs)
         for kind, idx in failed.items():
             self.store.mark_pairs_failed(slots[idx], kind)
         self._record_success(0, written, time.monotonic() - start)
-        if failed:
-            self._record_failures([k for k, idx in failed.items() for _ in idx])
+        self._record_failures({kind: len(idx) for kind, idx in failed.items()})
 
     def __deepcopy__(self, memo):
         raise TypeError(_COPY_ERROR.format(cls=type(self).__name__))

@@ -102,7 +102,8 @@ from torchrl_oni.annotators.teacher import SKIP_ERROR
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_messages, hash_messages
 
 __all__ = ["CaptionStore", "UNSEEN", "PENDING", "LABELLED", "FAILED", "GIVEN_UP", "SKIPPED", "HUMAN",
-           "SKIP_ERROR", "is_parse_failure", "is_skip"]
+           "SKIP_ERROR", "is_parse_failure", "is_skip", "retry_delay", "waiting_slots", "MAX_RETRY_S",
+           "MAX_SERVER_RETRY_S"]
 
 # FAILED is only found in stores written before server faults were told apart from unparsable
 # answers (such captions were given up after 3 server errors); new code never writes it.
@@ -114,8 +115,10 @@ _N_STATUS = len(STATUS_NAMES)
 # Provenance.annotator of people's answers: kept over any later non-human label.
 HUMAN = "human"
 
-# Longest wait before a caption that failed for a server reason is handed out again.
-_MAX_SERVER_RETRY_S = 300.0
+# Longest wait before an item that failed for a server reason is handed out again, and before
+# one whose answer could not be parsed is.
+MAX_SERVER_RETRY_S = 300.0
+MAX_RETRY_S = 3600.0
 
 
 def is_parse_failure(error_kind: str) -> bool:
@@ -129,6 +132,47 @@ def is_parse_failure(error_kind: str) -> bool:
         (True, False)
     """
     return "pars" in error_kind.lower()
+
+
+def retry_delay(first_s: float, failures, cap_s: float):
+    """Seconds before an item that failed ``failures`` times in a row is asked again:
+    ``first_s · 2^(failures-1)``, at most ``cap_s``. Vectorised over a numpy array of counts.
+
+    The rule of every request queue of the package (:class:`CaptionStore`'s captions and pairs,
+    :class:`~torchrl_oni.rewards.ellm.GoalTable`'s states): server faults wait
+    ``server_retry_s``-based delays capped at :data:`MAX_SERVER_RETRY_S` and are never given up;
+    unparsable answers wait ``retry_backoff_s``-based delays capped at :data:`MAX_RETRY_S`.
+
+    Example:
+        >>> retry_delay(5.0, 1, 300.0), retry_delay(5.0, 4, 300.0), retry_delay(5.0, 99, 300.0)
+        (5.0, 40.0, 300.0)
+        >>> retry_delay(30.0, np.array([1, 2]), 3600.0).tolist()
+        [30.0, 60.0]
+    """
+    # the exponent is capped so a long outage cannot overflow the float
+    exponent = np.minimum(np.asarray(failures, dtype=np.float64), 30.0) - 1.0
+    delay = np.minimum(float(first_s) * 2.0 ** exponent, float(cap_s))
+    return float(delay) if delay.ndim == 0 else delay
+
+
+def waiting_slots(*retry_ats: Dict[int, float]) -> np.ndarray:
+    """Slots still waiting for a retry backoff in ``retry_ats`` (slot → monotonic time it may be
+    asked again); entries whose time has come are dropped on the way.
+
+    Example:
+        >>> import time
+        >>> retry_at = {3: time.monotonic() + 60.0, 7: time.monotonic() - 1.0}
+        >>> waiting_slots(retry_at).tolist(), sorted(retry_at)
+        ([3], [3])
+    """
+    if not any(retry_ats):
+        return np.empty(0, dtype=np.int64)
+    now = time.monotonic()
+    for retry_at in retry_ats:
+        for slot in [k for k, t in retry_at.items() if t <= now]:
+            del retry_at[slot]
+    keys = [k for retry_at in retry_ats for k in retry_at]
+    return np.fromiter(keys, dtype=np.int64, count=len(keys))
 
 
 def is_skip(error_kind: str) -> bool:
@@ -568,22 +612,10 @@ class CaptionStore:
             out[np.flatnonzero(known)[ok]] = self._captions.cols["score"][s[ok]]
         return torch.from_numpy(out).reshape(shape)
 
-    @staticmethod
-    def _retry_blocked(*retry_ats: Dict[int, float]) -> np.ndarray:
-        """Slots still waiting for a retry backoff (expired entries are dropped on the way)."""
-        if not any(retry_ats):
-            return np.empty(0, dtype=np.int64)
-        now = time.monotonic()
-        for retry_at in retry_ats:
-            for slot in [k for k, t in retry_at.items() if t <= now]:
-                del retry_at[slot]
-        keys = [k for retry_at in retry_ats for k in retry_at]
-        return np.fromiter(keys, dtype=np.int64, count=len(keys))
-
     def _claimable(self) -> np.ndarray:
         """Unseen caption slots whose retry backoff (if any) has passed, oldest first."""
         cand = np.flatnonzero(self._captions.cols["status"][: self._captions.size] == UNSEEN)
-        blocked = self._retry_blocked(self._retry_at, self._server_retry_at)
+        blocked = waiting_slots(self._retry_at, self._server_retry_at)
         if len(blocked) and len(cand):
             cand = cand[~np.isin(cand, blocked)]
         return cand
@@ -617,7 +649,7 @@ class CaptionStore:
             n_pairs = 0
             if pairs:
                 open_pairs = np.flatnonzero(self._pairs.cols["status"][: self._pairs.size] == UNSEEN)
-                blocked = self._retry_blocked(self._pair_retry_at, self._pair_server_retry_at)
+                blocked = waiting_slots(self._pair_retry_at, self._pair_server_retry_at)
                 n_pairs = len(open_pairs) - int(np.isin(open_pairs, blocked).sum()) if len(blocked) else len(open_pairs)
             return (len(self._claimable()) if captions else 0) + n_pairs
 
@@ -687,9 +719,6 @@ class CaptionStore:
                     self._retry_at.pop(slot, None)
         return torch.from_numpy(written).reshape(shape)
 
-    def _backoff(self, attempts: np.ndarray) -> np.ndarray:
-        return np.minimum(self.retry_backoff_s * 2.0 ** (attempts.astype(np.float64) - 1), 3600.0)
-
     def _fail(self, table: "_Table", slots: np.ndarray, error_kind: str, parse_failure: Optional[bool],
               retry_at: Dict[int, float], server_retry_at: Dict[int, float],
               server_faults: Dict[int, int], final: Optional[bool] = None) -> Tuple[np.ndarray, np.ndarray]:
@@ -717,15 +746,15 @@ class CaptionStore:
             for slot in slots.tolist():
                 k = server_faults.get(slot, 0) + 1
                 server_faults[slot] = k
-                delay = min(self.server_retry_s * 2.0 ** (min(k, 30) - 1), _MAX_SERVER_RETRY_S)
-                server_retry_at[slot] = now + delay
+                server_retry_at[slot] = now + retry_delay(self.server_retry_s, k, MAX_SERVER_RETRY_S)
             return slots, np.zeros(len(slots), dtype=bool)
         cols["attempts"][slots] += 1
         attempts = cols["attempts"][slots]
         give_up = attempts >= self.max_attempts
         cols["status"][slots[give_up]] = GIVEN_UP
         cols["status"][slots[~give_up]] = UNSEEN
-        for slot, delay in zip(slots[~give_up].tolist(), self._backoff(attempts[~give_up]).tolist()):
+        delays = retry_delay(self.retry_backoff_s, attempts[~give_up], MAX_RETRY_S)
+        for slot, delay in zip(slots[~give_up].tolist(), delays.tolist()):
             retry_at[slot] = now + delay
         for slot in slots[give_up].tolist():
             retry_at.pop(slot, None)
@@ -1098,7 +1127,7 @@ class CaptionStore:
             cols = self._pairs.cols
             n = self._pairs.size
             cand = np.flatnonzero(cols["status"][:n] == UNSEEN)
-            blocked = self._retry_blocked(self._pair_retry_at, self._pair_server_retry_at)
+            blocked = waiting_slots(self._pair_retry_at, self._pair_server_retry_at)
             if len(blocked) and len(cand):
                 cand = cand[~np.isin(cand, blocked)]
             cand = cand[:max_items]

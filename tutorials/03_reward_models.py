@@ -18,7 +18,10 @@
 # * **ranking** (`RankingReward` + `RankingTrainer`): the LLM compares *pairs* of captions and a
 #   Bradley–Terry model learns a score; the reward is the normalised, thresholded score.
 #
-# Here all three learn from the same labels: captions from a short random rollout, labelled
+# Section 6 puts **ELLM** beside them: no labels at all, the LLM suggests goals for each state
+# and a step pays when its message achieves one.
+#
+# Here the three ONI rewards learn from the same labels: captions from a short random rollout, labelled
 # by the scripted annotator (so the "truth" is known), with a held-out slice of captions that
 # no model sees in training. We compare accuracy, calibration and the top-rewarded messages.
 
@@ -37,6 +40,7 @@ CLS_STEPS = 300 if SMALL else 3000    # classifier gradient steps
 RANK_STEPS = 300 if SMALL else 3000   # ranking-model gradient steps
 PAIRS = 3000 if SMALL else 30000      # caption pairs sent for comparison
 BATCH = 64 if SMALL else 256
+ELLM_STEPS = 200 if SMALL else 1000   # steps per game judged by ELLM (section 6)
 # =========================================================================
 
 # %%
@@ -236,3 +240,56 @@ for name, values in views.items():
 # kitten ...`), at the price of some false positives; ranking learns an ordering from pairs
 # only, so its threshold is a quantile of the score distribution rather than a probability.
 # With `SMALL = False` there are more distinct captions, more pairs and more steps.
+
+# %% [markdown]
+# ## 6. Beside them: ELLM
+#
+# ELLM (Du et al., 2023; `--intrinsic-reward ellm`) needs no labels and trains no model. For
+# each state the agent acts in (a *state caption*: dungeon level, health, hunger, what is next
+# to it and nearby), the LLM suggests a few goals ("kill the jackal", "descend the stairs"); a
+# step pays the cosine between its message and one of its state's goals when that is above a
+# threshold (a sentence encoder's space), and each goal pays at most once per episode. So it
+# pays for **doing what was suggested in that state**, where the ONI rewards pay for messages
+# judged helpful anywhere. Goals are asked for in the background and cached per state, so a
+# state whose goals have not arrived yet pays 0 — below, the first half of the rollout asks
+# for the goals, the second half is paid. The goals come from `--annotator` (here the scripted
+# rules; with `llm`, from `--llm-url`, a pool of servers, with the labels' fault handling);
+# the settings are the `--ellm-*` flags: `--ellm-threshold`, `--ellm-goals-per-state`,
+# `--ellm-encoder {auto,minilm,hashed}`, `--ellm-message {next,acted}`,
+# `--no-ellm-once-per-episode`, `--ellm-count-exponent`, `--ellm-goal-conditioned`,
+# `--ellm-state-message`, `--ellm-goal-table`, `--ellm-api`.
+
+# %%
+from torchrl_oni.rewards.ellm import build_ellm_reward, transition_caption
+
+ellm = build_ellm_reward(annotator_kind="scripted", encoder="auto")  # MiniLM if installed, else hashed
+first_half = rollout[:, :ELLM_STEPS].clone()                 # [games, steps], time last
+second_half = rollout[:, ELLM_STEPS:2 * ELLM_STEPS].clone()  # the same games, later
+t0 = time.perf_counter()
+ellm.on_batch(first_half)            # new states' goals are asked for; returns at once
+ellm.wait_idle(timeout=60)
+ellm.metrics()                       # (starts a fresh reporting window)
+paid = ellm.on_batch(second_half)["next", "intrinsic_reward"].reshape(-1)
+m = ellm.metrics()
+print(f"ELLM on {second_half.numel():,} steps in {time.perf_counter() - t0:.1f} s ({ellm.encoder.name} "
+      f"encoder, threshold {ellm.threshold:.2f}): {int(m['ellm/states'])} states, "
+      f"{m['ellm/goal_coverage']:.0%} of steps with goals, {m['ellm/paid_fraction']:.2%} paid")
+print("goals paid most often:", ellm.top_goals(6))
+state_hash = second_half["state_hash"].reshape(-1)
+next_msgs = decode_messages(second_half["next", "message"].reshape(-1, 256).numpy())
+labels = retrieval(second_half["next", "message"].reshape(-1, 256), second_half["next", "caption_hash"].reshape(-1))
+print(f"\n{'ELLM':>5} {'label':>5}  message  <-  goals suggested for the state")
+for i in torch.nonzero(paid > 0).squeeze(1)[:8].tolist():
+    print(f"{paid[i]:5.2f} {labels[i]:5.1f}  {transition_caption(next_msgs[i])!r}  <-  "
+          f"{', '.join(ellm.table.goals_of(int(state_hash[i])))}")
+ellm.close()
+
+# %% [markdown]
+# The `label` column is the scripted label retrieval would pay for the same message (0 for
+# captions it holds no label for). ELLM pays a kill only in a state where that kill was
+# suggested, and once per episode; the ONI rewards pay a helpful message wherever it appears
+# (decayed by its count in the episode). Read the pairs for what ELLM really rewards: the
+# transition caption is NetHack's message, so "The jackal is killed!" (the kitten's work)
+# achieves "kill the jackal" too, and a near miss just above the threshold pays as much as a
+# hit. With the MiniLM encoder paraphrases match; the `hashed` fallback (`--ellm-encoder
+# hashed`, no weights) is lexical and pays messages that merely share words with a goal.

@@ -13,12 +13,12 @@ caption (:mod:`torchrl_oni.envs.state_captions`) and an answer is a short list o
 * :class:`ScriptedGoalSuggester`: goals from the caption's visible features (``descend the
   stairs`` when a staircase down is visible, ``kill the jackal`` for a jackal...), no LLM; a
   test tool and a fallback, like :class:`~torchrl_oni.annotators.scripted.ScriptedAnnotator`.
-* :class:`OpenAIGoalSuggester`: an aiohttp client for any OpenAI-compatible server, with the
-  same fault handling as :class:`~torchrl_oni.annotators.openai.OpenAIAnnotator` (whose
-  :class:`~torchrl_oni.annotators.openai.CircuitBreaker` and URL check it reuses): bounded
-  concurrency, retries with backoff on 5xx/429/timeouts/connection errors/malformed JSON, a
-  circuit breaker while the server is down, and failures returned (never raised) for the
-  caller to queue again later.
+* :class:`OpenAIGoalSuggester`: the goal prompt sent to any OpenAI-compatible server (or a
+  pool of them) through :class:`~torchrl_oni.annotators.openai.OpenAIAnnotator`'s request
+  machinery (:meth:`~torchrl_oni.annotators.openai.OpenAIAnnotator.complete`), so goals get the
+  budgets and fault handling of labels: adaptive request sizes and time limits, retries with
+  backoff on another server, circuit breakers with health checks, and failures returned (never
+  raised) for the goal table to queue again later.
 
 Example:
     >>> import asyncio
@@ -35,19 +35,13 @@ Example:
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import random
 import re
-import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
-import aiohttp
-
-from torchrl_oni.annotators import prompts as P
 from torchrl_oni.annotators.base import AnnotatorStats, Provenance
-from torchrl_oni.annotators.openai import AnnotatorUnavailable, CircuitBreaker, normalize_base_url
+from torchrl_oni.annotators.openai import OpenAIAnnotator
 
 __all__ = [
     "GOAL_PROMPT_VERSION",
@@ -347,37 +341,43 @@ def _is_feature(phrase: str) -> bool:
     return any(w in phrase for w in _FEATURE_WORDS)
 
 
-# ------------------------------------------------------------------ OpenAI-compatible client
-_RETRYABLE = ("timeout", "connection error", "malformed json", "wrong count")
-
-
-class _Failed(Exception):
-    def __init__(self, kind: str, retryable: bool = True) -> None:
-        super().__init__(kind)
-        self.kind = kind
-        self.retryable = retryable
-
-
+# ------------------------------------------------------------------ OpenAI-compatible servers
 class OpenAIGoalSuggester:
-    """Asks an OpenAI-compatible server (vLLM, the embedded server...) for goals; async, fault tolerant.
+    """Asks OpenAI-compatible servers (vLLM, the embedded server...) for goals, through
+    :class:`~torchrl_oni.annotators.openai.OpenAIAnnotator`'s request machinery.
+
+    Labels and goals share one HTTP client and one fault-handling policy: the goal prompts go
+    through :meth:`OpenAIAnnotator.complete <torchrl_oni.annotators.openai.OpenAIAnnotator.complete>`
+    (a pool of servers, request sizes and time limits adapted to each server's latency, retries
+    with backoff on another server, circuit breakers with health checks, HTTP 401 not retried,
+    requests cancelled at :meth:`aclose`), and failures come back per state, never raised, for the
+    :class:`~torchrl_oni.rewards.ellm.GoalTable` to queue again (server faults) or count
+    (``"unparsable"``). The goal worker is steered by the client as the annotation worker is
+    (:meth:`available`, :attr:`recoveries`, :meth:`batch_hint`, :meth:`concurrency_hint`).
 
     Args:
-        base_url: e.g. ``http://gpu-node:8000/v1`` (``host:port`` accepted).
-        model: the served model name; ``None``: the only model the server lists (found by
+        base_url: a server, e.g. ``http://gpu-node:8000/v1`` (``host:port`` accepted), or a list
+            of servers that all serve ``model`` (a pool).
+        model: the served model name; ``None``: the only model the servers list (found by
             :meth:`check`, which must then be awaited first).
         api: ``"chat"`` (``/v1/chat/completions``, one request per state) or ``"completions"``
-            (``batch_size`` prompts per ``/v1/completions`` request).
+            (up to ``batch_size`` prompts per ``/v1/completions`` request).
         max_goals: goals asked for and kept per state.
-        batch_size: prompts per ``completions`` request.
-        max_concurrency: requests in flight at once.
-        timeout_s: per-request time limit.
-        max_retries: extra attempts for a failed request (then the failure is returned).
+        batch_size: most prompts per ``completions`` request.
+        max_concurrency: most requests in flight per server.
+        timeout_s: a fixed time limit per request; ``None`` (default): adapted to the latency
+            each server shows, as for labels.
+        max_retries: extra attempts for a failed request within one call.
         backoff_s, max_backoff_s: first and longest retry delay (doubling, with jitter).
         temperature: sampling temperature.
         max_tokens: answer length limit.
         text_style: ``completions`` layout, ``"plain"`` or ``"llama-3"`` (default from the name).
-        api_key: bearer token (local servers ignore it).
-        circuit_failures, circuit_cooldown_s: the circuit breaker (see ``OpenAIAnnotator``).
+        api_key: bearer token; ``None`` reads ``OPENAI_API_KEY`` (no header when unset).
+        circuit_failures, circuit_cooldown_s, probe_interval_s: the circuit breaker and health
+            checks (see :class:`~torchrl_oni.annotators.openai.OpenAIAnnotator`).
+        **client_kwargs: further ``OpenAIAnnotator`` options (``adaptive``,
+            ``initial_batch_size``, ``target_latency_s``, ``min_timeout_s``, ``max_timeout_s``,
+            ``first_timeout_s``).
 
     Raises:
         ValueError: bad URL or option (one line).
@@ -386,234 +386,118 @@ class OpenAIGoalSuggester:
         >>> s = OpenAIGoalSuggester("localhost:8000", "qwen")
         >>> s.base_url, s.provenance.prompt_version
         ('http://localhost:8000/v1', 'ellm-goals-v1')
+        >>> OpenAIGoalSuggester(["gpu-1:8000", "gpu-2:8000"], "qwen").base_urls
+        ['http://gpu-1:8000/v1', 'http://gpu-2:8000/v1']
     """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: Union[str, Sequence[str]],
         model: Optional[str],
         *,
         api: str = "chat",
         max_goals: int = MAX_GOALS,
         batch_size: int = 32,
         max_concurrency: int = 4,
-        timeout_s: float = 60.0,
+        timeout_s: Optional[float] = None,
         max_retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         temperature: float = 0.2,
         max_tokens: int = 96,
         text_style: Optional[str] = None,
-        api_key: str = "EMPTY",
+        api_key: Optional[str] = None,
         circuit_failures: int = 5,
         circuit_cooldown_s: float = 30.0,
+        probe_interval_s: float = 2.0,
+        **client_kwargs: Any,
     ):
-        self.base_url = normalize_base_url(base_url)
-        if model is not None and not model:
-            raise ValueError("model name is empty: pass the name the server lists at /v1/models")
-        if api not in ("chat", "completions"):
-            raise ValueError(f"unknown api {api!r}; choose 'chat' or 'completions'")
-        if min(batch_size, max_concurrency, max_goals) < 1 or max_retries < 0 or timeout_s <= 0:
-            raise ValueError("batch_size, max_concurrency and max_goals must be >= 1, "
-                             "max_retries >= 0, timeout_s > 0")
-        self.model = model
-        self.api = api
+        if max_goals < 1 or max_tokens < 1:
+            raise ValueError("max_goals and max_tokens must be >= 1")
+        self.client = OpenAIAnnotator(
+            base_url, model, api=api, batch_size=batch_size, max_concurrency=max_concurrency,
+            timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+            temperature=temperature, max_tokens=max_tokens, text_style=text_style, api_key=api_key,
+            circuit_failures=circuit_failures, circuit_cooldown_s=circuit_cooldown_s,
+            probe_interval_s=probe_interval_s, **client_kwargs)
         self.max_goals = int(max_goals)
-        self.batch_size = int(batch_size)
-        self.max_concurrency = int(max_concurrency)
-        self.timeout_s = float(timeout_s)
-        self.max_retries = int(max_retries)
-        self.backoff_s = float(backoff_s)
-        self.max_backoff_s = float(max_backoff_s)
-        self.temperature = float(temperature)
-        self.max_tokens = int(max_tokens)
-        self._auto_style = text_style is None
-        self.text_style = text_style or P.default_text_style(model or "")
-        P.render_text([], self.text_style)  # validates the style
-        self.api_key = api_key
-        self.breaker = CircuitBreaker(circuit_failures, circuit_cooldown_s)
-        self.stats = AnnotatorStats()
-        self.provenance = Provenance("openai", model or "", GOAL_PROMPT_VERSION)
-        self._session: Optional[aiohttp.ClientSession] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._semaphore: Optional[asyncio.Semaphore] = None
 
-    # ------------------------------------------------------------------ session
-    def _ensure_session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            # a session belongs to one event loop: a new loop gets a new session
-            self._session = aiohttp.ClientSession(
-                headers={"Authorization": f"Bearer {self.api_key}"},
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            )
-            self._loop = loop
-            self._semaphore = asyncio.Semaphore(self.max_concurrency)
-        return self._session
+    # ------------------------------------------------------------------ the client's
+    @property
+    def model(self) -> Optional[str]:
+        return self.client.model
 
-    async def aclose(self) -> None:
-        """Closes the HTTP session (only from its own event loop; otherwise it is dropped)."""
-        session, self._session = self._session, None
-        if session is not None and not session.closed and self._loop is asyncio.get_running_loop():
-            await session.close()
+    @property
+    def base_url(self) -> str:
+        return self.client.base_url
+
+    @property
+    def base_urls(self) -> List[str]:
+        return self.client.base_urls
+
+    @property
+    def api(self) -> str:
+        return self.client.api
+
+    @property
+    def stats(self) -> AnnotatorStats:
+        """Request and answer counters (the client's; ``labelled`` counts states given goals)."""
+        return self.client.stats
+
+    @property
+    def provenance(self) -> Provenance:
+        return Provenance("openai", self.client.model or "", GOAL_PROMPT_VERSION)
+
+    @property
+    def recoveries(self) -> int:
+        """Servers that were out and answered again (the goal worker then requeues states)."""
+        return self.client.recoveries
+
+    def available(self) -> bool:
+        return self.client.available()
+
+    def batch_hint(self) -> int:
+        return self.client.batch_hint()
+
+    def concurrency_hint(self) -> int:
+        return self.client.concurrency_hint()
+
+    def metrics(self) -> Dict[str, float]:
+        return self.client.metrics()
+
+    def recent(self, window_s: float = 60.0) -> Dict[str, int]:
+        return self.client.recent(window_s)
+
+    def describe(self) -> str:
+        return self.client.describe()
 
     async def check(self) -> List[str]:
-        """Lists the served models; raises :class:`AnnotatorUnavailable` (one line) if unusable.
+        """Lists the served models; raises :class:`~torchrl_oni.annotators.openai.AnnotatorUnavailable`
+        (one line) if no server can be used. With ``model=None`` the only served model is chosen
+        (several: an error naming them)."""
+        return await self.client.check()
 
-        With ``model=None`` the only served model is chosen (several: an error naming them).
-        """
-        session = self._ensure_session()
-        limit = min(self.timeout_s, 10.0)
-        try:
-            async with session.get(f"{self.base_url}/models",
-                                   timeout=aiohttp.ClientTimeout(total=limit)) as resp:
-                status, body = resp.status, await resp.read()
-        except asyncio.TimeoutError:
-            raise AnnotatorUnavailable(
-                f"LLM server at {self.base_url} did not answer /models within {limit:g} s") from None
-        except aiohttp.ClientError as err:
-            reason = " ".join(str(err).split()) or type(err).__name__
-            raise AnnotatorUnavailable(f"cannot reach LLM server at {self.base_url}: {reason}") from None
-        try:
-            names = [str(m["id"]) for m in json.loads(body)["data"]] if status == 200 else None
-        except (ValueError, KeyError, TypeError):
-            names = None
-        if names is None:
-            raise AnnotatorUnavailable(f"LLM server at {self.base_url} answered HTTP {status} to "
-                                       "GET /models (is this an OpenAI-compatible /v1 URL?)")
-        if self.model is None:
-            if len(names) != 1:
-                raise AnnotatorUnavailable(f"LLM server at {self.base_url} serves {len(names)} models "
-                                           f"({', '.join(names) or 'none'}); name one")
-            self.model = names[0]
-            self.provenance = Provenance("openai", self.model, GOAL_PROMPT_VERSION)
-            if self._auto_style:
-                self.text_style = P.default_text_style(self.model)
-        if self.model not in names:
-            raise AnnotatorUnavailable(f"model {self.model!r} is not served at {self.base_url}; "
-                                       f"served: {', '.join(names) or 'none'}")
-        return names
+    async def aclose(self) -> None:
+        """Closes the connections (requests in flight are abandoned); safe to call twice."""
+        await self.client.aclose()
 
-    # ------------------------------------------------------------------ requests
-    async def _post(self, path: str, payload: Dict[str, Any]) -> Dict[str, Any]:
-        if not self.breaker.allow():
-            raise _Failed("circuit open", retryable=False)
-        session = self._ensure_session()
-        start = time.perf_counter()
-        self.stats.requests += 1
-        try:
-            async with session.post(f"{self.base_url}{path}", json=payload) as resp:
-                status, body = resp.status, await resp.read()
-        except asyncio.TimeoutError:
-            raise _Failed("timeout") from None
-        except aiohttp.ClientError:
-            raise _Failed("connection error") from None
-        finally:
-            self.stats.latency_s_total += time.perf_counter() - start
-        if status == 429 or status >= 500:
-            raise _Failed(f"http {status}")
-        if status >= 400:  # the request itself is wrong: asking again cannot help
-            raise _Failed(f"http {status}", retryable=False)
-        try:
-            data = json.loads(body)
-        except ValueError:
-            raise _Failed("malformed json") from None
-        if not isinstance(data, dict):
-            raise _Failed("malformed json")
-        return data
-
-    @staticmethod
-    def _texts(data: Dict[str, Any], n: int) -> List[str]:
-        choices = data.get("choices")
-        if not isinstance(choices, list) or len(choices) != n:
-            raise _Failed("wrong count")
-        out: List[Optional[str]] = [None] * n
-        for pos, choice in enumerate(choices):
-            if not isinstance(choice, dict):
-                raise _Failed("malformed json")
-            index = choice.get("index", pos if n == 1 else None)
-            if not isinstance(index, int) or not 0 <= index < n or out[index] is not None:
-                raise _Failed("wrong count")
-            message = choice.get("message")
-            text = message.get("content") if isinstance(message, dict) else choice.get("text")
-            if text is not None and not isinstance(text, str):
-                raise _Failed("malformed json")
-            out[index] = text or ""
-        return out  # type: ignore[return-value]
-
-    def _count_failure(self, kind: str) -> None:
-        self.stats.count_error(kind)
-        if kind == "timeout":
-            self.stats.timeouts += 1
-        elif kind.startswith("http 5") or kind == "http 429" or kind in _RETRYABLE:
-            self.stats.server_errors += 1
-
-    async def _ask(self, captions: List[str]) -> List[str]:
-        """Answer texts for ``captions`` (one request), with retries; raises ``_Failed``."""
-        if self.model is None:
-            raise _Failed("no model (await check() first)", retryable=False)
-        convs = [goal_messages(c, self.max_goals) for c in captions]
-        payload: Dict[str, Any] = {"model": self.model, "temperature": self.temperature,
-                                   "max_tokens": self.max_tokens}
-        if self.api == "chat":
-            path, payload["messages"] = "/chat/completions", convs[0]
-        else:
-            path = "/completions"
-            payload["prompt"] = [P.render_text(c, self.text_style) for c in convs]
-        last: Optional[_Failed] = None
-        for attempt in range(self.max_retries + 1):
-            try:
-                self._ensure_session()
-                async with self._semaphore:  # type: ignore[union-attr]
-                    data = await self._post(path, payload)
-                texts = self._texts(data, len(captions))
-                self.breaker.record_success()
-                return texts
-            except _Failed as failure:
-                last = failure
-                self._count_failure(failure.kind)
-                if failure.kind == "circuit open":
-                    break
-                self.breaker.record_failure()
-                if not failure.retryable or attempt == self.max_retries:
-                    break
-                delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
-                await asyncio.sleep(delay * (0.5 + 0.5 * random.random()))
-        assert last is not None
-        raise last
-
-    async def _suggest_chunk(self, captions: List[str], out: list, where: List[int]) -> None:
-        try:
-            texts = await self._ask([captions[i] for i in where])
-        except _Failed as failure:
-            for i in where:
-                out[i] = GoalSuggestion(None, self.provenance, error=failure.kind)
-            return
-        except Exception as err:  # noqa: BLE001 - a client bug must not kill the worker
-            kind = f"client error: {type(err).__name__}"
-            self.stats.count_error(kind)
-            for i in where:
-                out[i] = GoalSuggestion(None, self.provenance, error=kind)
-            return
-        for i, text in zip(where, texts):
-            goals = parse_goals(text, self.max_goals)
-            if goals is None:
-                self.stats.unparsable += 1
-                self.stats.count_error("unparsable")
-                out[i] = GoalSuggestion(None, self.provenance, error="unparsable", raw=text)
-            else:
-                self.stats.labelled += 1
-                out[i] = GoalSuggestion(tuple(goals), self.provenance, raw=text)
-
+    # ------------------------------------------------------------------ goals
     async def suggest(self, captions: Sequence[str]) -> List[GoalSuggestion]:
         """One :class:`GoalSuggestion` per caption, in order; failures carry ``error``."""
         captions = [str(c) for c in captions]
-        self.stats.captions += len(captions)
-        out: List[Optional[GoalSuggestion]] = [None] * len(captions)
-        if not captions:
-            return []
-        self._ensure_session()
-        step = self.batch_size if self.api == "completions" else 1
-        chunks = [list(range(i, min(i + step, len(captions)))) for i in range(0, len(captions), step)]
-        await asyncio.gather(*(self._suggest_chunk(captions, out, c) for c in chunks))
-        return out  # type: ignore[return-value]
+        self.client.stats.captions += len(captions)
+        answers = await self.client.complete([goal_messages(c, self.max_goals) for c in captions],
+                                             max_tokens=self.client.max_tokens)
+        provenance = self.provenance
+        out: List[GoalSuggestion] = []
+        for answer in answers:
+            if not answer.ok:
+                out.append(GoalSuggestion(None, provenance, error=answer.error))
+                continue
+            goals = parse_goals(answer.text, self.max_goals)
+            self.client.record_parse(goals is not None, answer)
+            if goals is None:
+                out.append(GoalSuggestion(None, provenance, error="unparsable", raw=answer.text))
+            else:
+                out.append(GoalSuggestion(tuple(goals), provenance, raw=answer.text))
+        return out

@@ -42,6 +42,13 @@ the fewest requests in flight; a failed one is retried on another. Every server 
 ``model`` (:meth:`OpenAIAnnotator.check`). :meth:`OpenAIAnnotator.metrics` has per-server
 entries ``server/<i>/...``.
 
+**Any prompt.** :meth:`OpenAIAnnotator.complete` sends chat prompts of any kind through this
+machinery (pool, sizing, time limits, retries, breakers, health checks, cancellation at
+:meth:`~OpenAIAnnotator.aclose`) and returns each answer's text or its failure (a
+:class:`Completion`); ``annotate`` and ``compare`` are built on it, and so is ELLM's
+:class:`~torchrl_oni.annotators.goals.OpenAIGoalSuggester`. :meth:`~OpenAIAnnotator.record_parse`
+counts what the caller made of each answer.
+
 Choices are matched to prompts by their ``index`` field; a response whose indices do not cover
 the batch exactly fails as a whole (``"wrong count"``) rather than risk giving a caption someone
 else's label.
@@ -126,6 +133,7 @@ from torchrl_oni.annotators.parsing import (
 __all__ = [
     "AnnotatorUnavailable",
     "CircuitBreaker",
+    "Completion",
     "OpenAIAnnotator",
     "RequestSizer",
     "normalize_base_url",
@@ -511,7 +519,24 @@ def resolve_model(
     return names.pop()
 
 
-class _Answer:
+class Completion:
+    """One prompt's answer from :meth:`OpenAIAnnotator.complete`: its text, or why there is none.
+
+    Attributes:
+        text: the model's answer (``""`` when the request failed).
+        error: ``None``, or why no answer came after the retries: ``"timeout"``, ``"connection
+            error"``, ``"http 500"``, ``"circuit open"`` (refused without sending: no server
+            usable), ``"server refused the API key (HTTP 401)"``, ``"malformed json"``,
+            ``"wrong count"``, ... (all server reasons: never the prompt's fault).
+        positions: with ``logprobs=True``, the answer's tokens and their top alternatives,
+            ``[(token, {token: logprob, ...}), ...]``; else ``None``.
+        endpoint: the server that answered (for :meth:`OpenAIAnnotator.record_parse`).
+
+    Example:
+        >>> Completion("- kill the newt").ok, Completion(error="timeout").ok
+        (True, False)
+    """
+
     __slots__ = ("text", "positions", "error", "endpoint")
 
     def __init__(self, text: str = "", positions=None, error: Optional[str] = None,
@@ -521,6 +546,17 @@ class _Answer:
         self.error = error
         self.endpoint = endpoint
 
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def __repr__(self) -> str:
+        return f"Completion(text={self.text!r}, error={self.error!r})"
+
+
+# The stop strings of each prompt family (the answer ends with its label / choice / line).
+_STOPS = {"tagged": ["</label>"], "ranking": ["</best>"], "short": ["\n"]}
+
 
 class OpenAIAnnotator:
     """Labels captions through one or several OpenAI-compatible HTTP servers (aiohttp, async,
@@ -529,7 +565,8 @@ class OpenAIAnnotator:
     Args:
         base_url: the server, e.g. ``http://gpu-node:9001/v1`` (``host:port`` is accepted), or
             a list of servers that all serve ``model`` (a pool).
-        model: the served model name (see :func:`resolve_model` and :meth:`check`).
+        model: the served model name (see :func:`resolve_model`); ``None``: the only model the
+            servers serve, found by :meth:`check` (which must then be awaited first).
         api: ``"completions"`` (batched prompts) or ``"chat"`` (one request per caption).
         batch_size: most prompts per ``/v1/completions`` request (ONI sent 100).
         max_concurrency: most requests in flight, per server.
@@ -578,7 +615,7 @@ class OpenAIAnnotator:
     def __init__(
         self,
         base_url: Union[str, Sequence[str]],
-        model: str,
+        model: Optional[str],
         *,
         api: str = "completions",
         batch_size: int = 100,
@@ -611,7 +648,7 @@ class OpenAIAnnotator:
     ) -> None:
         self.base_urls = _as_url_list(base_url)
         self.base_url = self.base_urls[0]
-        if not model:
+        if model is not None and not model:
             raise ValueError("model name is empty: pass the name the server lists at /v1/models")
         if api not in ("completions", "chat"):
             raise ValueError(f"unknown api {api!r}; choose 'completions' or 'chat'")
@@ -625,7 +662,6 @@ class OpenAIAnnotator:
                 timeout_s is not None and timeout_s <= 0):
             raise ValueError("batch_size and max_concurrency must be >= 1, max_retries >= 0, "
                              "timeout_s > 0")
-        self.model = model
         self.api = api
         self.batch_size = int(batch_size)
         self.max_concurrency = int(max_concurrency)
@@ -643,7 +679,8 @@ class OpenAIAnnotator:
         self.max_tokens = max_tokens
         self.ranking = ranking
         self.tie_margin = float(tie_margin)
-        self.text_style = text_style or P.default_text_style(model)
+        self._auto_style = text_style is None
+        self.text_style = text_style or P.default_text_style(model or "")
         P.render_text([], self.text_style)  # validates the style
         self.api_key = api_key
         self._headers = _auth_headers(api_key)
@@ -663,13 +700,7 @@ class OpenAIAnnotator:
             for i, url in enumerate(self.base_urls)
         ]
         self.stats = AnnotatorStats()
-        self.provenance = Provenance("openai", model, P.prompt_version(prompt, self.goal))
-        rank_version = (
-            f"{P.prompt_version(prompt, self.goal)}/scores"
-            if ranking == "scores"
-            else f"{P.prompt_version('ranking', self.goal)}/{ranking}"
-        )
-        self.ranking_provenance = Provenance("openai", model, rank_version)
+        self._set_model(model)
         # Counters are written on the event loop's thread and read by metrics() from another.
         self._lock = threading.Lock()
         self._unsent = 0
@@ -681,6 +712,18 @@ class OpenAIAnnotator:
         self._session: Optional[aiohttp.ClientSession] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._waiters: List[asyncio.Future] = []
+
+    def _set_model(self, model: Optional[str]) -> None:
+        self.model = model
+        self.provenance = Provenance("openai", model or "", P.prompt_version(self.prompt, self.goal))
+        rank_version = (
+            f"{P.prompt_version(self.prompt, self.goal)}/scores"
+            if self.ranking == "scores"
+            else f"{P.prompt_version('ranking', self.goal)}/{self.ranking}"
+        )
+        self.ranking_provenance = Provenance("openai", model or "", rank_version)
+        if self._auto_style:
+            self.text_style = P.default_text_style(model or "")
 
     @property
     def breaker(self) -> CircuitBreaker:
@@ -746,8 +789,9 @@ class OpenAIAnnotator:
     async def check(self) -> List[str]:
         """Lists the served models; fails clearly if no server can be used.
 
-        Every server must serve ``model``. In a pool, servers that cannot be reached are taken
-        out (and health-checked until they answer) as long as one can be used.
+        Every server must serve ``model``; with ``model=None`` the first server that answers must
+        serve exactly one model, which becomes ``model``. In a pool, servers that cannot be
+        reached are taken out (and health-checked until they answer) as long as one can be used.
 
         Returns:
             the model names the first usable server lists at ``/v1/models``.
@@ -768,6 +812,12 @@ class OpenAIAnnotator:
                     raise
                 errors.append((ep, err))
                 continue
+            if self.model is None:
+                if len(names) != 1:
+                    raise AnnotatorUnavailable(
+                        f"LLM server at {ep.url} serves {len(names)} models ({', '.join(names) or 'none'}): "
+                        "name one with --llm-model")
+                self._set_model(names[0])
             if self.model not in names:
                 raise AnnotatorUnavailable(
                     f"model {self.model!r} is not served at {ep.url}; "
@@ -842,8 +892,10 @@ class OpenAIAnnotator:
         self._start_due_probes()
         usable = [ep for ep in self._endpoints if ep.breaker.allow()]
         free = [ep for ep in usable if ep.in_flight < ep.limit()]
-        if avoid is not None and len(free) > 1 and avoid in free:
-            free.remove(avoid)  # a retry goes to another server when there is one
+        if avoid is not None and len(usable) > 1:
+            # a retry goes to another server when there is one, and waits for it if it is busy
+            # (going back to the one that just failed would spend the retry on it)
+            free = [ep for ep in free if ep is not avoid]
         if not free:
             return None, bool(usable)
         return min(free, key=lambda ep: (ep.in_flight, ep.last_pick)), True
@@ -965,11 +1017,12 @@ class OpenAIAnnotator:
         ep.breaker.record_success()
         ep.last_error = ""
 
-    async def _send(self, ep: _Endpoint, family: str, conversations, answers, chunk: List[int]) -> Optional[_RequestFailed]:
+    async def _send(self, ep: _Endpoint, conversations, options: Dict[str, Any], answers,
+                    chunk: List[int]) -> Optional[_RequestFailed]:
         """One request for ``chunk``; fills ``answers`` on success, returns the failure if any."""
         path = "/completions" if self.api == "completions" else "/chat/completions"
         try:
-            data = await self._post(ep, path, self._payload(family, [conversations[i] for i in chunk]),
+            data = await self._post(ep, path, self._payload([conversations[i] for i in chunk], **options),
                                     len(chunk))
             choices = self._choices_by_index(data, len(chunk))
         except _RequestFailed as failure:
@@ -979,18 +1032,48 @@ class OpenAIAnnotator:
         for i, choice in zip(chunk, choices):
             try:
                 text, positions = self._text_and_positions(choice)
-                answers[i] = _Answer(text, positions, endpoint=ep)
+                answers[i] = Completion(text, positions, endpoint=ep)
             except _RequestFailed as failure:
                 self.stats.count_error(failure.kind)
-                answers[i] = _Answer(error=failure.kind)
+                answers[i] = Completion(error=failure.kind)
         return None
 
-    async def _ask(self, family: str, conversations: List[List[Dict[str, str]]]) -> List[_Answer]:
-        """Answers for ``conversations``, spread over the servers in requests sized for each."""
+    async def complete(
+        self,
+        conversations: Sequence[List[Dict[str, str]]],
+        *,
+        stop: Optional[List[str]] = None,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        logprobs: bool = False,
+    ) -> List[Completion]:
+        """Sends chat prompts to the servers; one :class:`Completion` per prompt, in order.
+
+        The request machinery behind :meth:`annotate` and :meth:`compare`, for prompts of any
+        kind (ELLM's goal prompts, :class:`~torchrl_oni.annotators.goals.OpenAIGoalSuggester`,
+        use it): requests go to the least loaded usable server of the pool, sized by its
+        :class:`RequestSizer` (``api="completions"``: several prompts per request, rendered in
+        ``text_style``; ``"chat"``: one each), with its adaptive time limit; server faults are
+        retried with backoff on another server, then returned as ``error`` (never raised); a
+        request that finds no usable server is refused at once (``"circuit open"``). Parse the
+        texts yourself and report each outcome with :meth:`record_parse`.
+
+        Args:
+            conversations: the chat messages of each prompt (``[{"role": ..., "content": ...}]``).
+            stop: stop strings (``None``: none).
+            max_tokens: answer length limit (``None``: ``max_tokens`` of the annotator, else 512).
+            temperature: ``None``: the annotator's.
+            logprobs: ask for the top ``top_logprobs`` token logprobs (``Completion.positions``).
+        """
         n = len(conversations)
-        answers: List[Optional[_Answer]] = [None] * n
         if not n:
             return []
+        if self.model is None:
+            return [Completion(error="no model: await check() first") for _ in range(n)]
+        options = {"stop": stop, "temperature": self.temperature if temperature is None else float(temperature),
+                   "max_tokens": int(max_tokens if max_tokens is not None else self.max_tokens or 512),
+                   "logprobs": bool(logprobs)}
+        answers: List[Optional[Completion]] = [None] * n
         self._ensure_session()
         queue: Deque[int] = collections.deque(range(n))
         tries = [0] * n
@@ -1008,14 +1091,14 @@ class OpenAIAnnotator:
                     for _ in range(requests):
                         self.stats.count_error(CIRCUIT_OPEN)
                     for i in refused:
-                        answers[i] = _Answer(error=CIRCUIT_OPEN)
+                        answers[i] = Completion(error=CIRCUIT_OPEN)
                     return
                 if not queue:
                     self._release(ep)
                     return
                 chunk = [queue.popleft() for _ in range(min(ep.sizer.batch, len(queue)))]
                 try:
-                    failure = await self._send(ep, family, conversations, answers, chunk)
+                    failure = await self._send(ep, conversations, options, answers, chunk)
                 except asyncio.CancelledError:
                     raise
                 except Exception as err:  # noqa: BLE001 - a bug in one request must not kill the worker
@@ -1033,7 +1116,7 @@ class OpenAIAnnotator:
                     if failure.retryable and tries[i] <= self.max_retries:
                         retry.append(i)
                     else:
-                        answers[i] = _Answer(error=failure.kind)
+                        answers[i] = Completion(error=failure.kind)
                 if retry:
                     queue.extendleft(reversed(retry))  # re-chunked with the server's new size
                     avoid = ep
@@ -1102,28 +1185,24 @@ class OpenAIAnnotator:
         return f"{up} of {len(self._endpoints)} LLM servers up (down: {what})"
 
     # ------------------------------------------------------------------ prompts → answers
-    def _max_tokens(self, family: str) -> int:
-        if self.max_tokens is not None:
-            return int(self.max_tokens)
-        return 2 if family == "short" else 512
+    async def _ask(self, family: str, conversations: Sequence[List[Dict[str, str]]]) -> List[Completion]:
+        """:meth:`complete` with the stop strings and answer length of a prompt family."""
+        max_tokens = self.max_tokens if self.max_tokens is not None else (2 if family == "short" else 512)
+        return await self.complete(conversations, stop=_STOPS[family], max_tokens=max_tokens,
+                                   logprobs=self.use_logprobs)
 
-    def _payload(
-        self, family: str, conversations: Sequence[List[Dict[str, str]]]
-    ) -> Dict[str, Any]:
-        stop = {"tagged": ["</label>"], "ranking": ["</best>"], "short": ["\n"]}[family]
-        payload: Dict[str, Any] = {
-            "model": self.model,
-            "temperature": self.temperature,
-            "max_tokens": self._max_tokens(family),
-            "stop": stop,
-        }
+    def _payload(self, conversations: Sequence[List[Dict[str, str]]], *, stop: Optional[List[str]],
+                 temperature: float, max_tokens: int, logprobs: bool) -> Dict[str, Any]:
+        payload: Dict[str, Any] = {"model": self.model, "temperature": temperature, "max_tokens": max_tokens}
+        if stop:
+            payload["stop"] = stop
         if self.api == "completions":
             payload["prompt"] = [P.render_text(c, self.text_style) for c in conversations]
-            if self.use_logprobs:
+            if logprobs:
                 payload["logprobs"] = self.top_logprobs
         else:
             payload["messages"] = conversations[0]
-            if self.use_logprobs:
+            if logprobs:
                 payload["logprobs"] = True
                 payload["top_logprobs"] = self.top_logprobs
         return payload
@@ -1164,7 +1243,22 @@ class OpenAIAnnotator:
             return P.short_messages(caption, self.goal)
         return P.classification_messages(caption, self.goal)
 
-    def _label(self, answer: _Answer) -> Label:
+    def record_parse(self, parsed: bool, completion: Optional[Completion] = None) -> None:
+        """Counts what the caller made of an answer of :meth:`complete`: a usable result
+        (``stats.labelled``, and the answering server's ``labels_per_s``) or an unparsable one
+        (``stats.unparsable``, ``metrics()["unparsable"]``, ``recent()["unparsable"]``: the
+        health summary's "answers cannot be parsed"). Thread-safe for the metrics it feeds."""
+        if not parsed:
+            self.stats.unparsable += 1
+            self.stats.count_error("unparsable")
+            self._event("unparsable")
+            return
+        self.stats.labelled += 1
+        if completion is not None and completion.endpoint is not None:
+            with self._lock:
+                completion.endpoint.labels.add(1)
+
+    def _label(self, answer: Completion) -> Label:
         if answer.error is not None:
             return Label(value=None, provenance=self.provenance, error=answer.error)
         if self.prompt == "short":
@@ -1178,16 +1272,10 @@ class OpenAIAnnotator:
             score = score_from_top_logprobs(answer.positions, pos, neg)
             if score is not None:
                 value = 1.0 if score >= self.score_threshold else 0.0
+        self.record_parse(value is not None, answer)
         if value is None:
-            self.stats.unparsable += 1
-            self.stats.count_error("unparsable")
-            self._event("unparsable")
             return Label(value=None, provenance=self.provenance, error="unparsable",
                          raw=answer.text)
-        self.stats.labelled += 1
-        if answer.endpoint is not None:
-            with self._lock:
-                answer.endpoint.labels.add(1)
         return Label(value=value, provenance=self.provenance, score=score, raw=answer.text)
 
     async def annotate(self, captions: Sequence[str]) -> List[Label]:
@@ -1203,11 +1291,9 @@ class OpenAIAnnotator:
         if value is None:
             error = error or "unparsable"
             if error == "unparsable":
-                self.stats.unparsable += 1
-                self.stats.count_error("unparsable")
-                self._event("unparsable")
+                self.record_parse(False)
             return Preference(value=None, provenance=self.ranking_provenance, error=error, raw=raw)
-        self.stats.labelled += 1
+        self.record_parse(True)
         return Preference(value=value, provenance=self.ranking_provenance, raw=raw)
 
     async def compare(self, pairs: Sequence[Tuple[str, str]]) -> List[Preference]:

@@ -284,6 +284,17 @@ class StateCaptioner:
         self._adjacent_masks = {}
         self._lut: Optional[np.ndarray] = None
 
+    def __getstate__(self) -> dict:
+        # env workers receive a copy (a goal-conditioned policy's transform): no lock, a fresh cache
+        state = dict(self.__dict__)
+        state["_lock"] = None
+        state["_cache"] = OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _adjacent(self, c: int) -> Tuple[np.ndarray, np.ndarray]:
         """Flat (adjacent?, is centre?) masks of a C×C crop."""
         if c not in self._adjacent_masks:

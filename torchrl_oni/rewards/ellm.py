@@ -11,10 +11,12 @@ runs put in the env workers):
 
 * :class:`~torchrl_oni.envs.state_captions.StateCaptioner`: observation → state caption and its
   blake2b-64 hash (computed once per distinct state key);
-* :class:`GoalTable`: state hash → goals (ids into a goal vocabulary), with a request state
-  machine like :class:`~torchrl_oni.store.CaptionStore`'s (unseen → pending → done, or back to
-  unseen after a backoff on failure, given up after ``max_attempts``), saved atomically;
-* :class:`GoalWorker`: a thread running an asyncio loop that claims new states, awaits
+* :class:`GoalTable`: state hash → goals (ids into a goal vocabulary), with a request queue
+  under :class:`~torchrl_oni.store.CaptionStore`'s rule (unseen → pending → done; a server
+  fault sends a state back after a short wait and never gives it up, unparsable answers give it
+  up after ``max_attempts``), saved atomically;
+* :class:`GoalWorker`: a :class:`~torchrl_oni.background.BackgroundLoop` (the caption
+  annotation worker's thread and asyncio loop) that claims new states, awaits
   ``suggester.suggest(captions)`` (:mod:`torchrl_oni.annotators.goals`) with bounded concurrency,
   writes goals or failures back, and pre-computes the goals' embeddings;
 * :class:`ELLMReward`: the trainer hook (``on_batch``, ``metrics``, ``state_dict``,
@@ -136,7 +138,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -145,6 +147,7 @@ from torchrl.envs.transforms import Transform
 
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.atomic import atomic_write
+from torchrl_oni.background import BackgroundLoop
 from torchrl_oni.captions import (
     CAPTION_HASH_KEY,
     GOAL_EMBEDDING_KEY,
@@ -153,6 +156,7 @@ from torchrl_oni.captions import (
     MSG_COUNT_KEY,
     decode_message,
 )
+from torchrl_oni.store import MAX_RETRY_S, MAX_SERVER_RETRY_S, is_parse_failure, retry_delay, waiting_slots
 
 __all__ = [
     "GoalTable",
@@ -180,7 +184,7 @@ TRAJ_IDS_KEY = ("collector", "traj_ids")
 
 UNSEEN, PENDING, DONE, FAILED = 0, 1, 2, 3
 _FORMAT = "torchrl_oni.GoalTable"
-_VERSION = 1
+_VERSION = 2  # 2: only unparsable answers give a state up (1: any failure did)
 
 # threshold per encoder name (see the module docstring for how they were fitted)
 DEFAULT_THRESHOLDS = {"minilm": 0.81, "hashed": 0.51}
@@ -316,15 +320,26 @@ class GoalTable:
 
     Goals are stored as ids into :attr:`goal_texts` (``int32[M]`` per state, ``-1`` padded), so a
     goal suggested for many states is embedded once. Life of a state: :meth:`add` → unseen →
-    :meth:`claim` → pending → :meth:`set_goals` → done, or :meth:`mark_failed` → unseen again
-    after ``retry_backoff_s · 2^(attempts-1)`` (at most an hour) → ... → failed after
-    ``max_attempts``. :meth:`release` and :meth:`load` send pending states back to unseen.
+    :meth:`claim` → pending → :meth:`set_goals` → done, or :meth:`mark_failed` → unseen again.
+    Failures follow :class:`~torchrl_oni.store.CaptionStore`'s rule (the same
+    :func:`~torchrl_oni.store.is_parse_failure` and :func:`~torchrl_oni.store.retry_delay`):
+
+    * a **server fault** (timeout, HTTP 5xx, connection error, circuit breaker open, an
+      exception: anything but an unparsable answer) says nothing about the state: it waits
+      ``server_retry_s · 2^(k-1)`` (``k`` faults in a row, at most 5 minutes) and is **never
+      given up**; :meth:`requeue_server_failures` ends those waits (the worker calls it when a
+      server answers again);
+    * an **unparsable answer** is an attempt: the state waits ``retry_backoff_s · 2^(attempts-1)``
+      (at most an hour) and is *failed* (given up, ``stats()["failed"]``) after ``max_attempts``.
+
+    :meth:`release` and :meth:`load` send pending states back to unseen.
 
     Args:
         max_goals: goals kept per state (M).
         capacity: most states; new states beyond it are not queued (counted in ``dropped``).
-        max_attempts: failed requests before a state is given up.
-        retry_backoff_s: first retry delay after a failure.
+        max_attempts: unparsable answers before a state is given up.
+        retry_backoff_s: first retry delay after an unparsable answer.
+        server_retry_s: first retry delay after a server fault.
 
     Example:
         >>> from torchrl_oni.annotators.base import Provenance
@@ -340,13 +355,14 @@ class GoalTable:
     """
 
     def __init__(self, *, max_goals: int = 5, capacity: int = 500_000, max_attempts: int = 5,
-                 retry_backoff_s: float = 5.0):
+                 retry_backoff_s: float = 5.0, server_retry_s: float = 5.0):
         if max_goals < 1 or capacity < 1 or max_attempts < 1:
             raise ValueError("max_goals, capacity and max_attempts must be >= 1")
         self.max_goals = int(max_goals)
         self.capacity = int(capacity)
         self.max_attempts = int(max_attempts)
         self.retry_backoff_s = float(retry_backoff_s)
+        self.server_retry_s = float(server_retry_s)
         self._lock = threading.RLock()
         self._slot: Dict[int, int] = {}
         self._size = 0
@@ -356,7 +372,11 @@ class GoalTable:
         self._goal_id: Dict[str, int] = {}
         self.provenances: List[Provenance] = []
         self._provenance_id: Dict[Provenance, int] = {}
+        # slot -> monotonic time before which a failed state is not handed out again: after
+        # unparsable answers, and after server faults (with the count of those in a row)
         self._retry_at: Dict[int, float] = {}
+        self._server_retry_at: Dict[int, float] = {}
+        self._server_faults: Dict[int, int] = {}
         self.dropped = 0
         self.error_counts: Dict[str, int] = {}
 
@@ -440,18 +460,25 @@ class GoalTable:
             return None if slot is None else self._captions[slot]
 
     # ------------------------------------------------------------------ the request queue
+    def _claimable(self) -> np.ndarray:
+        """Unseen slots whose retry wait (if any) is over (lock held)."""
+        cand = np.flatnonzero(self._cols["status"][: self._size] == UNSEEN)
+        if len(cand):
+            waiting = waiting_slots(self._retry_at, self._server_retry_at)
+            if len(waiting):
+                cand = cand[~np.isin(cand, waiting)]
+        return cand
+
+    def claimable(self) -> int:
+        """How many states :meth:`claim` would hand out now."""
+        with self._lock:
+            return len(self._claimable())
+
     def claim(self, max_items: int) -> Tuple[List[int], List[str]]:
         """Up to ``max_items`` unseen states (most seen first), marked pending: ``(hashes, captions)``."""
         with self._lock:
-            n = self._size
             cols = self._cols
-            cand = np.flatnonzero(cols["status"][:n] == UNSEEN)
-            if self._retry_at and len(cand):
-                now = time.monotonic()
-                for slot in [s for s, t in self._retry_at.items() if t <= now]:
-                    del self._retry_at[slot]
-                if self._retry_at:
-                    cand = cand[~np.isin(cand, np.fromiter(self._retry_at, np.int64))]
+            cand = self._claimable()
             if len(cand) > max_items:
                 order = np.lexsort((cand, -cols["times_seen"][cand]))
                 cand = cand[order[: max(int(max_items), 0)]]
@@ -488,28 +515,53 @@ class GoalTable:
                     self.provenances.append(prov)
                 cols["provenance"][slot] = pid
                 cols["status"][slot] = DONE
-                self._retry_at.pop(slot, None)
+                self._forget_failures(slot)
         return fresh
 
+    def _forget_failures(self, slot: int) -> None:
+        self._retry_at.pop(slot, None)
+        self._server_retry_at.pop(slot, None)
+        self._server_faults.pop(slot, None)
+
     def mark_failed(self, hashes: Sequence[int], kind: str = "error") -> int:
-        """Records failed requests: back to unseen after a backoff, or failed; returns how many gave up."""
+        """Records failed requests of kind ``kind`` (see the class docstring): a server fault sends
+        the states back to unseen after a short wait, an unparsable answer spends an attempt.
+        States with goals or given up are left alone. Returns how many were given up."""
         gave_up = 0
+        server_fault = not is_parse_failure(kind)
         with self._lock:
             cols = self._cols
             now = time.monotonic()
             for slot in self._slots(hashes):
-                if cols["status"][slot] == DONE:
+                if cols["status"][slot] in (DONE, FAILED):
                     continue  # a late failure never erases goals
                 self.error_counts[kind] = self.error_counts.get(kind, 0) + 1
+                if server_fault:
+                    k = self._server_faults[slot] = self._server_faults.get(slot, 0) + 1
+                    cols["status"][slot] = UNSEEN
+                    self._server_retry_at[slot] = now + retry_delay(self.server_retry_s, k, MAX_SERVER_RETRY_S)
+                    continue
                 cols["attempts"][slot] += 1
                 attempts = int(cols["attempts"][slot])
                 if attempts >= self.max_attempts:
                     cols["status"][slot] = FAILED
+                    self._forget_failures(slot)
                     gave_up += 1
                 else:
                     cols["status"][slot] = UNSEEN
-                    self._retry_at[slot] = now + min(self.retry_backoff_s * 2.0 ** (attempts - 1), 3600.0)
+                    self._retry_at[slot] = now + retry_delay(self.retry_backoff_s, attempts, MAX_RETRY_S)
         return gave_up
+
+    def requeue_server_failures(self) -> int:
+        """Ends the waits of every state that failed for a server reason; returns how many were
+        waiting. The worker calls it when a server that was out answers again."""
+        with self._lock:
+            now = time.monotonic()
+            status = self._cols["status"]
+            waiting = sum(1 for slot, t in self._server_retry_at.items() if t > now and status[slot] == UNSEEN)
+            self._server_retry_at.clear()
+            self._server_faults.clear()
+            return waiting
 
     def release(self, hashes: Optional[Sequence[int]] = None) -> int:
         """Pending states (the given ones, or all) back to unseen; returns how many."""
@@ -527,20 +579,28 @@ class GoalTable:
             failed = np.flatnonzero(cols["status"][: self._size] == FAILED)
             cols["status"][failed] = UNSEEN
             cols["attempts"][failed] = 0
+            for slot in failed.tolist():
+                self._forget_failures(slot)
             return len(failed)
 
     def stats(self) -> Dict[str, float]:
+        """``states``, ``unseen``, ``pending``, ``done`` (with goals), ``failed`` (given up after
+        ``max_attempts`` unparsable answers), ``retrying`` (unseen after a failure), ``dropped``
+        (past ``capacity``), ``goal_vocabulary``, ``goals_per_state`` (mean over done states)."""
         with self._lock:
             status = self._cols["status"][: self._size]
+            attempts = self._cols["attempts"][: self._size]
             counts = np.bincount(status, minlength=4) if self._size else np.zeros(4, np.int64)
             goals = self._cols["goals"][: self._size][status == DONE]
+            retrying = int(((status == UNSEEN) & (attempts > 0)).sum()) + sum(
+                1 for slot in self._server_faults if status[slot] == UNSEEN and attempts[slot] == 0)
             return {
                 "states": self._size,
                 "unseen": int(counts[UNSEEN]),
                 "pending": int(counts[PENDING]),
                 "done": int(counts[DONE]),
                 "failed": int(counts[FAILED]),
-                "retrying": len(self._retry_at),
+                "retrying": retrying,
                 "dropped": self.dropped,
                 "goal_vocabulary": len(self.goal_texts),
                 "goals_per_state": float((goals >= 0).sum(1).mean()) if len(goals) else 0.0,
@@ -560,7 +620,8 @@ class GoalTable:
                 "provenances": [[p.annotator, p.model, p.prompt_version] for p in self.provenances],
                 "error_counts": dict(self.error_counts),
                 "config": {"max_goals": self.max_goals, "capacity": self.capacity,
-                           "max_attempts": self.max_attempts, "retry_backoff_s": self.retry_backoff_s},
+                           "max_attempts": self.max_attempts, "retry_backoff_s": self.retry_backoff_s,
+                           "server_retry_s": self.server_retry_s},
             }
         status = snapshot["columns"]["status"]
         status[status == PENDING] = UNSEEN  # pending work is not finished work
@@ -570,6 +631,9 @@ class GoalTable:
     def load(cls, path: Union[str, os.PathLike], **overrides) -> "GoalTable":
         """Reads a table written by :meth:`save` (``weights_only``); pending states come back unseen.
 
+        Tables of version 1 gave states up after repeated server faults too: their failed states
+        come back unseen with a fresh attempt count.
+
         Raises:
             FileNotFoundError: no file; ``ValueError``: not a goal table (one line).
         """
@@ -578,8 +642,9 @@ class GoalTable:
         data = safe_torch_load(path, what="ELLM goal table")
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ValueError(f"{path} is not an ELLM goal table")
-        if data.get("version") != _VERSION:
-            raise ValueError(f"{path}: unsupported goal table version {data.get('version')}")
+        version = data.get("version")
+        if version not in (1, _VERSION):
+            raise ValueError(f"{path}: unsupported goal table version {version}")
         config = dict(data["config"])
         config.update(overrides)
         cols = {k: v.numpy() for k, v in data["columns"].items()}
@@ -599,228 +664,116 @@ class GoalTable:
         table._provenance_id = {p: i for i, p in enumerate(table.provenances)}
         table.error_counts = dict(data["error_counts"])
         table.release()
+        if version == 1:
+            table.retry_failed()
         return table
 
 
 # ---------------------------------------------------------------------------------- the worker
-class GoalWorker:
+class GoalWorker(BackgroundLoop):
     """A thread with its own asyncio loop that asks for goals for the table's unseen states.
 
     Each round it claims up to ``batch_size`` states, keeps at most ``max_concurrency``
     ``suggester.suggest`` calls in flight, stores goals (and, with an ``encoder``, embeds the new
-    goal texts in a helper thread so the trainer finds them cached) or marks failures (retried
-    later by the table). It sleeps until :meth:`wake` or ``poll_interval_s``. An exception from the
-    suggester fails that call's states, never the worker.
+    goal texts in a helper thread so the trainer finds them cached) or marks failures (the table
+    queues server faults again and gives a state up only after repeated unparsable answers). It
+    sleeps until :meth:`wake` or ``poll_interval_s``. An exception from the suggester fails that
+    call's states, never the worker. The thread, its loop and the start/stop/wake/idle machinery
+    are :class:`~torchrl_oni.background.BackgroundLoop`'s, shared with the caption
+    :class:`~torchrl_oni.annotation.AnnotationWorker`, and so is the steering by an HTTP suggester
+    (:class:`~torchrl_oni.annotators.goals.OpenAIGoalSuggester`): nothing is claimed while no
+    server can take a request, states that failed meanwhile are queued again when one answers,
+    and calls are sized to one request each.
 
     Args:
         table: the :class:`GoalTable`.
         suggester: a :class:`~torchrl_oni.annotators.goals.GoalSuggester`.
-        batch_size: states per ``suggest`` call.
-        max_concurrency: calls in flight.
+        batch_size: most states per ``suggest`` call.
+        max_concurrency: calls in flight (when the suggester gives no ``concurrency_hint``).
         poll_interval_s: longest sleep between rounds.
         encoder: optional sentence encoder to warm with new goal texts.
         close_suggester: await ``suggester.aclose()`` when stopping.
         log_interval_s: failures are summarised in the log at most this often.
+
+    Example:
+        >>> from torchrl_oni.annotators.goals import ScriptedGoalSuggester
+        >>> table = GoalTable()
+        >>> _ = table.add([5], ["Dungeon level 1. You are healthy and not hungry. Nearby: gold."])
+        >>> worker = GoalWorker(table, ScriptedGoalSuggester()).start()
+        >>> worker.wait_idle(timeout=10)
+        True
+        >>> worker.stop()
+        >>> table.goals_of(5), worker.metrics()["states_done"]
+        (('pick up the gold',), 1)
     """
+
+    what = "ELLM goals"
+    noun = "states"
+    failure_log = ("ELLM goal requests failed since last report (states; server faults are retried, "
+                   "unparsable answers given up after a few tries): %s")
+    crash_log = "ELLM goal worker crashed"
+    wrong_count = "wrong count"
+    no_value = "no goals"
 
     def __init__(self, table: GoalTable, suggester, *, batch_size: int = 32, max_concurrency: int = 4,
                  poll_interval_s: float = 1.0, encoder=None, close_suggester: bool = True,
                  log_interval_s: float = 60.0):
-        if batch_size < 1 or max_concurrency < 1:
-            raise ValueError("batch_size and max_concurrency must be >= 1")
+        super().__init__(suggester, batch_size=batch_size, max_concurrency=max_concurrency,
+                         poll_interval_s=poll_interval_s, log_interval_s=log_interval_s,
+                         close_client=close_suggester, name="ellm-goals", logger=log)
         self.table = table
         self.suggester = suggester
-        self.batch_size = int(batch_size)
-        self.max_concurrency = int(max_concurrency)
-        self.poll_interval_s = float(poll_interval_s)
         self.encoder = encoder
-        self.close_suggester = close_suggester
-        self.log_interval_s = float(log_interval_s)
-        self._thread: Optional[threading.Thread] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._wake_event: Optional[asyncio.Event] = None
-        self._ready = threading.Event()
-        self._idle = threading.Event()
-        self._idle_lock = threading.Lock()
-        self._wake_seq = 0
-        self._stopping = False
-        self._drain_timeout_s = 5.0
-        self._lock = threading.Lock()
-        self._latencies: Deque[float] = collections.deque(maxlen=100)
-        self._unlogged: Dict[str, int] = {}
-        self._last_log = float("-inf")
-        self.in_flight = 0
-        self.requests_total = 0
         self.states_done = 0
-        self.failures_by_kind: Dict[str, int] = {}
-        self.crashed: Optional[BaseException] = None
 
     @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self) -> "GoalWorker":
-        if self.running:
-            return self
-        self._stopping = False
-        self._ready.clear()
-        self._idle.clear()
-        self._thread = threading.Thread(target=self._thread_main, name="ellm-goals", daemon=True)
-        self._thread.start()
-        self._ready.wait(10)
-        return self
-
-    def wake(self) -> None:
-        """There may be new states (thread-safe, never blocks)."""
-        with self._idle_lock:
-            self._wake_seq += 1
-            self._idle.clear()
-        loop, event = self._loop, self._wake_event
-        if loop is not None and event is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:
-                pass
-
-    def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until nothing is in flight or claimable (tests, end of a run); False on timeout."""
-        if not self.running:
-            return False
-        self.wake()
-        return self._idle.wait(timeout)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """In-flight calls get ``timeout`` s, then are cancelled and their states released."""
-        if self._thread is None:
-            return
-        self._drain_timeout_s = float(timeout)
-        self._stopping = True
-        self.wake()
-        self._thread.join(timeout + 5.0)
-        self._thread = None
-        self._flush_log(force=True)
+    def in_flight(self) -> int:
+        """``suggest`` calls in flight."""
+        return self._in_flight
 
     def metrics(self) -> Dict[str, float]:
-        with self._lock:
-            lat = list(self._latencies)
-            parse = sum(v for k, v in self.failures_by_kind.items() if "pars" in k)
-            return {
-                "requests_total": self.requests_total,
-                "states_done": self.states_done,
-                "in_flight": self.in_flight,
-                "parse_failures": parse,
-                "server_errors": sum(self.failures_by_kind.values()) - parse,
-                "latency_s": float(np.mean(lat)) if lat else 0.0,
-                "worker_running": float(self.running),
-            }
+        """``requests_total`` (calls answered), ``states_done``, ``in_flight``, ``parse_failures``,
+        ``server_errors`` (states whose request failed for a server reason: queued again),
+        ``requeued_total`` (queued again at once when a server answered again), ``latency_s``,
+        ``worker_running``. Thread-safe."""
+        with self._metrics_lock:
+            out = self._loop_metrics()
+            out.update(states_done=self.states_done, server_errors=self.server_failures,
+                       requeued_total=self.requeued_total)
+        return out
 
-    def _record_failures(self, kind: str, n: int) -> None:
-        with self._lock:
-            self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + n
-            self._unlogged[kind] = self._unlogged.get(kind, 0) + n
-        self._flush_log()
+    def _claimable(self) -> int:
+        return self.table.claimable()
 
-    def _flush_log(self, force: bool = False) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if not self._unlogged or (not force and now - self._last_log < self.log_interval_s):
-                return
-            summary = ", ".join(f"{k}: {v}" for k, v in sorted(self._unlogged.items()))
-            self._unlogged, self._last_log = {}, now
-        log.warning("ELLM goal requests failed since last report (states are retried later): %s", summary)
+    def _requeue_failed(self) -> int:
+        return self.table.requeue_server_failures()
 
-    def _thread_main(self) -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(self._main(loop))
-        except BaseException as err:  # keep the trainer alive; report through metrics and logs
-            self.crashed = err
-            log.exception("ELLM goal worker crashed")
-        finally:
-            self._loop = None
-            self._wake_event = None
-            self._ready.set()
-            self._idle.set()
-            loop.close()
-
-    async def _main(self, loop) -> None:
-        self._wake_event = asyncio.Event()
-        self._loop = loop
-        self._ready.set()
-        in_flight: set = set()
-        while not self._stopping:
-            seq = self._wake_seq
-            while len(in_flight) < self.max_concurrency:
-                hashes, captions = self.table.claim(self.batch_size)
-                if not hashes:
-                    break
-                in_flight.add(asyncio.ensure_future(self._request(hashes, captions)))
-            with self._lock:
-                self.in_flight = len(in_flight)
-            if not in_flight:
-                with self._idle_lock:
-                    if self._wake_seq == seq:
-                        self._idle.set()
-            wake = asyncio.ensure_future(self._wake_event.wait())
-            done, _ = await asyncio.wait(in_flight | {wake}, timeout=self.poll_interval_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            wake.cancel()
-            self._wake_event.clear()
-            in_flight -= done
-        if in_flight:
-            _, still = await asyncio.wait(in_flight, timeout=self._drain_timeout_s)
-            for task in still:
-                task.cancel()
-            if still:
-                await asyncio.gather(*still, return_exceptions=True)
-        with self._lock:
-            self.in_flight = 0
-        if self.close_suggester and hasattr(self.suggester, "aclose"):
-            try:
-                await self.suggester.aclose()
-            except Exception:  # noqa: BLE001
-                log.exception("goal suggester aclose() failed")
+    def _next_call(self, batch: int):
+        hashes, captions = self.table.claim(batch)
+        return self._request(hashes, captions) if hashes else None
 
     async def _request(self, hashes: List[int], captions: List[str]) -> None:
         start = time.monotonic()
-        try:
-            results = await self.suggester.suggest(captions)
-        except asyncio.CancelledError:
-            self.table.release(hashes)
-            raise
-        except Exception as err:  # noqa: BLE001 - a failing suggester fails its states only
-            self.table.mark_failed(hashes, type(err).__name__)
-            self._record_failures(type(err).__name__, len(hashes))
-            return
-        if len(results) != len(hashes):
-            self.table.mark_failed(hashes, "wrong count")
-            self._record_failures("wrong count", len(hashes))
+        results = await self._results(self.suggester.suggest(captions), len(hashes),
+                                      release=lambda: self.table.release(hashes),
+                                      fail=lambda kind: self.table.mark_failed(hashes, kind))
+        if results is None:
             return
         ok = [i for i, r in enumerate(results) if r.ok]
         fresh = self.table.set_goals([hashes[i] for i in ok], [results[i].goals for i in ok],
                                      [results[i].provenance for i in ok]) if ok else []
-        failed: Dict[str, List[int]] = {}
-        for h, r in zip(hashes, results):
-            if not r.ok:
-                failed.setdefault(r.error or "no goals", []).append(h)
-        for kind, hs in failed.items():
-            self.table.mark_failed(hs, kind)
-            self._record_failures(kind, len(hs))
-        with self._lock:
-            self.requests_total += 1
+        failed = self._failures(results)
+        for kind, idx in failed.items():
+            self.table.mark_failed([hashes[i] for i in idx], kind)
+        with self._metrics_lock:
+            self._count_call(time.monotonic() - start)
             self.states_done += len(ok)
-            self._latencies.append(time.monotonic() - start)
+        self._record_failures({kind: len(idx) for kind, idx in failed.items()})
         if fresh and self.encoder is not None:
             try:  # warm the encoder's cache off the trainer's thread
                 await asyncio.to_thread(self.encoder.encode, fresh)
             except Exception:  # noqa: BLE001 - the trainer encodes them itself then
                 log.exception("encoding new goals failed")
-
-    def __deepcopy__(self, memo):
-        raise TypeError("GoalWorker owns a thread: it cannot be copied or pickled")
-
-    def __getstate__(self):
-        raise TypeError("GoalWorker owns a thread: it cannot be copied or pickled")
 
 
 # ---------------------------------------------------------------------------------- the rule
@@ -1194,6 +1147,12 @@ def _unique_first(keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch
 
 
 # ---------------------------------------------------------------------------------- goal conditioning
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
 class SharedGoalEmbeddings:
     """State hash → goal embedding in shared memory: the trainer writes, env workers read.
 
@@ -1201,8 +1160,12 @@ class SharedGoalEmbeddings:
     int64[C]`` (0 = empty) and ``values float16[C, D]``. One writer (the trainer's
     :class:`ELLMReward`) inserts each state once, value first, then key; readers
     (:class:`GoalEmbeddingTransform` in collector workers) see either no entry or a complete
-    one. Create it before the collector starts: its tensors travel to worker processes as
-    shared memory (fork, or spawn through ``torch.multiprocessing``'s pickler).
+    one. The tensors are mapped from files in ``/dev/shm`` (the temp dir where there is none), and
+    a pickled table carries the files' path, not the data: TorchRL's collectors send env
+    constructors through cloudpickle, which would copy ordinary shared-memory tensors by value,
+    and a worker would then read its own empty copy. The process that made the table removes the
+    files when the table is garbage-collected or :meth:`close`\ d (workers keep their mapping).
+    Processes on one machine only: Ray actors on other nodes cannot map the files.
 
     Args:
         dim: embedding size (384 for both encoders).
@@ -1222,13 +1185,47 @@ class SharedGoalEmbeddings:
     def __init__(self, dim: int = 384, capacity: int = 1 << 16, max_probe: int = 64):
         if capacity < 2 or capacity & (capacity - 1):
             raise ValueError(f"capacity must be a power of two, got {capacity}")
+        import tempfile
+        import weakref
+
         self.dim = int(dim)
         self.capacity = int(capacity)
         self.max_probe = int(max_probe)
-        self.keys = torch.zeros(capacity, dtype=torch.int64).share_memory_()
-        self.values = torch.zeros(capacity, dim, dtype=torch.float16).share_memory_()
-        self.size = torch.zeros(1, dtype=torch.int64).share_memory_()
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.path = tempfile.mkdtemp(prefix="oni-goal-embeddings-", dir=base)
+        self._map()
         self._full_warned = False
+        # only the creating process removes the files (a worker's unpickled copy has no finalizer)
+        self._finalizer = weakref.finalize(self, _remove_tree, self.path)
+
+    def _map(self) -> None:
+        def mapped(name, n, dtype):
+            return torch.from_file(os.path.join(self.path, name), shared=True, size=n, dtype=dtype)
+
+        self.keys = mapped("keys", self.capacity, torch.int64)
+        self.values = mapped("values", self.capacity * self.dim, torch.float16).view(self.capacity, self.dim)
+        self.size = mapped("size", 1, torch.int64)
+
+    def __getstate__(self) -> dict:
+        return {"dim": self.dim, "capacity": self.capacity, "max_probe": self.max_probe, "path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if not os.path.isdir(self.path):
+            raise RuntimeError(f"the shared goal table at {self.path} is gone (its trainer closed it, or "
+                               "this process runs on another machine: goal-conditioned policies need "
+                               "env workers on the trainer's machine)")
+        self._map()
+        self._full_warned = False
+        self._finalizer = None
+
+    def __deepcopy__(self, memo) -> "SharedGoalEmbeddings":
+        return self  # copies of a transform (Transform.clone) read the same table
+
+    def close(self) -> None:
+        """Removes the files (mappings that exist stay valid); only the creating process does."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     @staticmethod
     def _keys(hashes: torch.Tensor) -> torch.Tensor:
@@ -1363,6 +1360,7 @@ def build_ellm_reward(
     api: str = "chat",
     batch_size: int = 32,
     max_concurrency: int = 4,
+    timeout_s: Optional[float] = None,
     device: Union[str, torch.device] = "cpu",
     check_server: bool = True,
 ) -> ELLMReward:
@@ -1370,9 +1368,10 @@ def build_ellm_reward(
 
     Args:
         annotator_kind: ``"scripted"`` (goals from rules) or ``"llm"`` (``url`` + ``model``).
-        url, model: the OpenAI-compatible server (a list: the first is used) and the served
-            model (``None``: the only one the server lists) for ``"llm"``.
-        api_key: bearer token for the server (``None``: none).
+        url, model: the OpenAI-compatible server, or a list of them (a pool: each request goes
+            to the least loaded usable one), and the served model (``None``: the only one the
+            servers list) for ``"llm"``.
+        api_key: bearer token for the servers (``None``: ``OPENAI_API_KEY``, or none).
         encoder: ``"auto"``, ``"minilm"`` or ``"hashed"`` (:func:`~torchrl_oni.rewards.encoder.make_encoder`).
         threshold: ``None``: the encoder's calibrated default.
         goals_per_state: goals asked for and kept per state.
@@ -1380,7 +1379,10 @@ def build_ellm_reward(
         include_message: put NLE's message in state captions (more distinct states, more requests).
         goal_table: a file: loaded when it exists, saved at checkpoints and at close.
         api: ``"chat"`` or ``"completions"`` for the server.
-        batch_size, max_concurrency: goal requests (states per call, calls in flight).
+        batch_size, max_concurrency: goal requests (most prompts per ``completions`` request,
+            requests in flight per server).
+        timeout_s: a fixed time limit per goal request (``None``: adapted to each server's
+            latency, as for labels).
         device: where the MiniLM encoder runs (the learner's device).
         check_server: ask the server for its models first; a dead server raises one line.
 
@@ -1403,16 +1405,12 @@ def build_ellm_reward(
     if annotator_kind == "scripted":
         suggester = ScriptedGoalSuggester(max_goals=goals_per_state)
     else:
-        if url is not None and not isinstance(url, str):
-            urls = list(url)
-            if len(urls) > 1:
-                log.warning("ELLM goals: %d server URLs given, using the first (%s)", len(urls), urls[0])
-            url = urls[0] if urls else None
-        if not url:
+        urls = [url] if isinstance(url, str) else list(url or [])
+        if not any(urls):
             raise ValueError("ELLM goals from an LLM need a server URL (or the scripted goal suggester)")
-        suggester = OpenAIGoalSuggester(url, model, api=api, max_goals=goals_per_state,
+        suggester = OpenAIGoalSuggester(urls, model, api=api, max_goals=goals_per_state,
                                         batch_size=batch_size, max_concurrency=max_concurrency,
-                                        api_key=api_key or "EMPTY")
+                                        timeout_s=timeout_s, api_key=api_key)
         if check_server or model is None:
             async def check():
                 try:
@@ -1466,7 +1464,7 @@ class ELLMSettings:
                                             "suggested goals, at acting time (ELLM's main variant)")
     state_message: bool = setting(False, "put NLE's message in state captions (about 4x more states to ask about)")
     goal_table: Optional[str] = setting(None, "goal table file, loaded if it exists and saved at checkpoints "
-                                              "(default: LOGDIR/goals.pt)", metavar="PATH")
+                                              "(none: LOGDIR/goals.pt)", metavar="PATH")
     api: Literal["chat", "completions"] = setting("chat", "server endpoint for goal requests")
 
 
@@ -1493,8 +1491,8 @@ def _build(ctx) -> RewardParts:
         goals_per_state=s.goals_per_state, message=s.message, once_per_episode=s.once_per_episode,
         beta=s.count_exponent, goal_conditioned=s.goal_conditioned, include_message=s.state_message,
         goal_table=s.goal_table or os.path.join(ctx.cfg.log.logdir, "goals.pt"), api=s.api,
-        batch_size=min(ann.llm_batch_size, 32), max_concurrency=ann.llm_concurrency, device=ctx.device,
-        shared=shared)
+        batch_size=min(ann.llm_batch_size, 32), max_concurrency=ann.llm_concurrency,
+        timeout_s=ann.llm_timeout, device=ctx.device, shared=shared)
     transforms = [GoalEmbeddingTransform(shared, include_message=s.state_message)] if shared is not None else []
     return RewardParts(reward=None, on_batch=ellm.on_batch, metrics=ellm.metrics, stateful={"ellm": ellm},
                        close=ellm.close, env_transforms=transforms)
