@@ -5,8 +5,6 @@ the ``CaptionStore``) and ``OpenAIAnnotator`` over HTTP against ``tests/fake_llm
 with time scaled down (timeouts, probes and backoffs of tenths of a second).
 """
 import asyncio
-import os
-import sys
 import time
 
 import numpy as np
@@ -14,20 +12,16 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from fake_llm_server import FakeLLMServer
+from helpers import RULES, TIMEOUT, poll
 from torchrl_oni.annotation import AnnotationWorker, LLMAnnotationTransform
-from torchrl_oni.annotators import AnnotatorUnavailable, OpenAIAnnotator, ScriptedAnnotator
+from torchrl_oni.annotators import AnnotatorUnavailable, OpenAIAnnotator
 from torchrl_oni.annotators.openai import AUTH_ERROR, resolve_model
 from torchrl_oni.captions import encode_messages, hash_messages
 from torchrl_oni.store import FAILED, CaptionStore
 
-sys.path.insert(0, os.path.dirname(__file__))
-from fake_llm_server import FakeLLMServer  # noqa: E402
-
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(60)
-
-RULES = ScriptedAnnotator()
-TIMEOUT = 20.0
 
 
 def captions(n, prefix="thing"):
@@ -53,15 +47,6 @@ def fast_client(urls, **kwargs):
                 max_timeout_s=2.0, first_timeout_s=1.0, target_latency_s=0.2)
     opts.update(kwargs)
     return OpenAIAnnotator(urls, "fake-model", **opts)
-
-
-def wait_until(predicate, timeout=TIMEOUT, step=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
 
 
 def assert_labels_match_rules(store, texts):
@@ -94,7 +79,7 @@ def test_outage_mid_run_every_caption_is_labelled_after_recovery(server, outage)
         else:
             server.hang_s, server.mode = 30.0, "hang"
         annotate(batch_of(texts[20:40]))  # seen while the server is down
-        assert wait_until(lambda: annotate.metrics()["servers_up"] == 0)
+        assert poll(lambda: annotate.metrics()["servers_up"] == 0)
         time.sleep(0.5)  # several retry rounds of the old code: 3 failures meant "given up"
         during = annotate.metrics()
         assert during["labelled"] == 20 and during["given_up"] == 0
@@ -137,7 +122,7 @@ def test_breaker_refusals_cost_no_attempt(server):
     worker.start()
     try:
         # each probe lets one request through; it fails, the breaker opens again
-        assert wait_until(lambda: store.stats().get("errors/http 500", 0) >= 3, timeout=5)
+        assert poll(lambda: store.stats().get("errors/http 500", 0) >= 3, timeout=5)
         assert store.stats()["given_up"] == 0
         assert int(store._captions.cols["attempts"][: len(store)].max()) == 0
         server.mode = "ok"
@@ -182,7 +167,7 @@ def test_only_unparsable_answers_are_given_up_and_listed(server):
     with LLMAnnotationTransform(store, fast_client(server.url), poll_interval_s=0.02,
                                 close_annotator=True) as annotate:
         annotate(batch_of(texts))
-        assert wait_until(lambda: store.stats()["given_up"] == 3)
+        assert poll(lambda: store.stats()["given_up"] == 3)
         assert annotate.wait_idle(TIMEOUT)
         metrics = annotate.metrics()
         health = annotate.health()
@@ -265,7 +250,7 @@ def test_pool_server_killed_and_restarted_loses_nothing():
             assert store.stats()["labelled"] == 200
             b_before = b.completed
             b.start()
-            assert wait_until(lambda: annotate.metrics()["servers_up"] == 2)
+            assert poll(lambda: annotate.metrics()["servers_up"] == 2)
             annotate(batch_of(texts[200:]))
             assert annotate.wait_idle(TIMEOUT)
             after = annotate.metrics()
@@ -325,7 +310,7 @@ def test_api_key(monkeypatch):
         with LLMAnnotationTransform(store, fast_client(server.url, api_key="wrong"),
                                     poll_interval_s=0.02, close_annotator=True) as annotate:
             annotate(batch_of(["You kill the newt!"]))
-            assert wait_until(lambda: "API key" in annotate.health())
+            assert poll(lambda: "API key" in annotate.health())
         assert store.stats()["given_up"] == 0
 
 
@@ -345,11 +330,11 @@ def test_abandoned_requests_are_cancelled_at_close():
         annotate = LLMAnnotationTransform(store, fast_client(server.url, timeout_s=60.0, max_concurrency=3),
                                           poll_interval_s=0.05, close_annotator=True)
         annotate(batch_of(captions(40)))
-        assert wait_until(lambda: server.in_flight == 3, timeout=5)
+        assert poll(lambda: server.in_flight == 3, timeout=5)
         t0 = time.monotonic()
         annotate.close(timeout=0.1)
         assert time.monotonic() - t0 < 3
-        assert wait_until(lambda: server.disconnects == 3 and server.in_flight == 0, timeout=5)
+        assert poll(lambda: server.disconnects == 3 and server.in_flight == 0, timeout=5)
         assert server.completed == 0
         assert store.stats()["unseen"] == 40 and store.stats()["pending"] == 0
 
@@ -364,10 +349,10 @@ def test_health_names_the_dominant_cause(server):
         assert annotate.health().startswith(("ok:", "idle"))
         server.stop()
         annotate(batch_of(captions(10, prefix="Later")))
-        assert wait_until(lambda: "cannot reach the LLM server" in annotate.health(window_s=1.0))
+        assert poll(lambda: "cannot reach the LLM server" in annotate.health(window_s=1.0))
         line = annotate.health(window_s=1.0)
         assert line.startswith("no labels in the last 1 s") and "\n" not in line and len(line) < 400
         server.start()
         # (wait_idle does not wait for captions in a retry backoff: poll the store instead)
-        assert wait_until(lambda: store.stats()["labelled"] == 20)
+        assert poll(lambda: store.stats()["labelled"] == 20)
     assert annotate.health() == "annotation closed"

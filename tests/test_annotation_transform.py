@@ -13,6 +13,7 @@ from torchrl.data import Bounded, Categorical, Composite, LazyTensorStorage, Ten
 from torchrl.envs import EnvBase, TransformedEnv
 from torchrl.envs.utils import check_env_specs
 
+from helpers import TIMEOUT, poll
 from torchrl_oni.annotation import AnnotationWorker, LLMAnnotationTransform
 from torchrl_oni.annotators.base import FIRST, SECOND, Annotator, Label, Preference, Provenance
 from torchrl_oni.captions import MESSAGE_LEN, encode_messages, hash_messages
@@ -21,7 +22,6 @@ from torchrl_oni.store import CaptionStore
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(60)
 
-TIMEOUT = 20.0
 TEXTS = ["You kill the newt!", "It's a wall.", "You see here 5 gold pieces.", "", "You kill the jackal!"]
 
 
@@ -346,15 +346,6 @@ def _store_with(texts_seen, **kwargs):
     return store
 
 
-def _wait_for(predicate, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 @pytest.mark.parametrize("failure,labelled,refunded", [("server fault", 3, 3), ("unparsable", 0, 0)])
 def test_label_budget_through_the_worker(failure, labelled, refunded):
     from torchrl_oni.active import LabelBudget, SelectiveClaim
@@ -373,7 +364,7 @@ def test_label_budget_through_the_worker(failure, labelled, refunded):
         assert store.stats()["labelled"] == 0 and annotator.calls == 0  # frame 0: nothing may be bought
         claim.set_frames(3000)
         transform.worker.wake()
-        assert _wait_for(lambda: budget.spent == 3 and not store.pending().numel() and annotator.calls >= 1)
+        assert poll(lambda: budget.spent == 3 and not store.pending().numel() and annotator.calls >= 1)
         assert transform.wait_idle(TIMEOUT)
         metrics = transform.metrics()
         # a server fault costs nothing (the captions are asked again within the budget); an
@@ -383,7 +374,7 @@ def test_label_budget_through_the_worker(failure, labelled, refunded):
         assert metrics["labels_total"] == labelled
         claim.set_frames(5000)
         transform.worker.wake()
-        assert _wait_for(lambda: store.stats()["labelled"] == labelled + 2 and not store.pending().numel())
+        assert poll(lambda: store.stats()["labelled"] == labelled + 2 and not store.pending().numel())
         assert budget.spent == 5 and claim.claimed_total == 5 + refunded
     # the most seen were bought first; after an unparsable answer the same (most seen) are asked again
     top = sorted(texts, key=texts.get, reverse=True)
@@ -462,7 +453,7 @@ def test_a_failing_selection_rule_loses_nothing_and_keeps_the_worker_alive():
     claim = SelectiveClaim(store, "disagree", member_probs=flaky_member_probs)
     with LLMAnnotationTransform(store, annotator, claim=claim, poll_interval_s=0.02) as transform:
         transform.start()
-        assert _wait_for(lambda: store.stats()["labelled"] == len(RULE_TEXTS))
+        assert poll(lambda: store.stats()["labelled"] == len(RULE_TEXTS))
         metrics = transform.metrics()
     assert metrics["claim_errors"] == 2 and metrics["worker_running"] == 1.0
     assert store.stats()["pending"] == 0
@@ -480,7 +471,7 @@ def test_a_crashed_worker_is_reported_and_the_caller_goes_on(caplog):
     worker = AnnotationWorker(store, KillAnnotator(), captions=False, poll_interval_s=0.02)
     with caplog.at_level(logging.ERROR, logger="torchrl_oni.annotation"):
         worker.start()
-        assert _wait_for(lambda: not worker.running)
+        assert poll(lambda: not worker.running)
     assert isinstance(worker.crashed, OSError)
     assert worker.health() == "annotation worker crashed: OSError: the pair table is gone"
     assert worker.metrics()["worker_running"] == 0.0 and not worker.wait_idle(1)

@@ -1,14 +1,18 @@
 """Tests of the annotators: prompts, parsing, the scripted rules and the OpenAI-compatible client
 against a fault-injecting fake server (tests/fake_llm_server.py)."""
 import asyncio
-import os
 import socket
-import sys
 import time
 
 import numpy as np
 import pytest
 
+from fake_llm_server import (
+    P_POSITIVE_IF_NOT,
+    P_POSITIVE_IF_PROGRESS,
+    FakeLLMServer,
+)
+from helpers import RULES
 from torchrl_oni.annotators import (
     FIRST,
     SECOND,
@@ -30,13 +34,6 @@ from torchrl_oni.annotators.parsing import (
 from torchrl_oni.annotators.scripted import NOT_PROGRESS_EXAMPLES
 from torchrl_oni.captions import MESSAGE_LEN, decode_message, encode_message
 
-sys.path.insert(0, os.path.dirname(__file__))
-from fake_llm_server import (  # noqa: E402
-    P_POSITIVE_IF_NOT,
-    P_POSITIVE_IF_PROGRESS,
-    FakeLLMServer,
-)
-
 pytestmark = pytest.mark.timeout(60)
 
 CAPTIONS = [
@@ -48,7 +45,6 @@ CAPTIONS = [
     "There is a staircase down here.",
     "You can't move diagonally out of an intact doorway.",
 ]
-RULES = ScriptedAnnotator()
 EXPECTED = [RULES.label(c) for c in CAPTIONS]
 
 

@@ -12,6 +12,7 @@ from nle import nethack as nh
 from tensordict import TensorDict
 
 from fake_llm_server import FakeLLMServer
+from helpers import poll
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.annotators.goals import (
     GOAL_PROMPT_VERSION,
@@ -462,13 +463,6 @@ def test_goal_worker_stop_releases_pending_states():
     assert table.stats()["unseen"] == 1 and not worker.running
 
 
-def wait_for(condition, timeout=15.0, step=0.02):
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(step)
-    return condition()
-
-
 MANY_STATES = [f"Dungeon level {d}. You are healthy and not hungry. Nearby: {what}."
                for d in (1, 2) for what in ("gold", "a newt", "a fountain")]
 
@@ -490,7 +484,7 @@ def test_a_goal_server_outage_then_recovery_gives_every_state_its_goals(new_stat
                                     circuit_failures=2, circuit_cooldown_s=60.0, probe_interval_s=0.05)
     worker = GoalWorker(table, suggester, poll_interval_s=0.05).start()
     try:
-        assert wait_for(lambda: not suggester.available() and table.stats()["pending"] == 0)
+        assert poll(lambda: not suggester.available() and table.stats()["pending"] == 0)
         if new_state_while_down:
             table.add([len(first)], [MANY_STATES[5]])
             worker.wake()
@@ -502,7 +496,7 @@ def test_a_goal_server_outage_then_recovery_gives_every_state_its_goals(new_stat
         assert down["retrying"] == 5 and sum(table.error_counts.values()) == 5
         assert set(table.error_counts) <= {"connection error", "circuit open"}
         server.start()  # same port
-        assert wait_for(lambda: table.stats()["done"] == len(states))
+        assert poll(lambda: table.stats()["done"] == len(states))
         assert worker.wait_idle(10)
     finally:
         worker.stop()
@@ -521,7 +515,7 @@ def test_unparsable_goal_answers_are_given_up_after_max_attempts_and_counted():
         suggester = OpenAIGoalSuggester(server.url, "fake-model", api="completions", batch_size=3)
         worker = GoalWorker(table, suggester, poll_interval_s=0.02).start()
         try:
-            assert wait_for(lambda: table.stats()["failed"] == 3)
+            assert poll(lambda: table.stats()["failed"] == 3)
             assert worker.wait_idle(10)  # nothing left to ask: given-up states are not claimable
             sent = server.requests
             worker.wake()

@@ -2,10 +2,8 @@
 import io
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import page_ready, press, wait_for
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.captions import encode_messages, hash_messages
 from torchrl_oni.feedback import FeedbackServer, ScreenSnapshots, serve_feedback
@@ -303,9 +302,9 @@ def test_oni_label_serves_saves_and_exits_cleanly(tmp_path, capsys, monkeypatch)
 
     def person():  # answers once the page is up, waits for the save, then presses Ctrl-C
         try:
-            server = _wait(lambda: started and started[0].running and started[0])
+            server = wait_for(lambda: started and started[0].running and started[0])
             seen["status"] = _call(server, "/api/label", {"id": str(_h("It's a wall.")), "answer": "progress"})[0]
-            seen["saved_while_serving"] = _wait(lambda: _label_of(CaptionStore.load(path), "It's a wall.") == 1.0)
+            seen["saved_while_serving"] = wait_for(lambda: _label_of(CaptionStore.load(path), "It's a wall.") == 1.0)
         finally:
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -347,51 +346,6 @@ def test_oni_label_port_in_use(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ a real browser
-def _chromium():
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install selenium)")
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = "/usr/bin/chromedriver" if os.path.exists("/usr/bin/chromedriver") else shutil.which("chromedriver")
-    if not binary or not driver_path:
-        pytest.skip("chromium / chromedriver are not installed (apt-get install -y chromium chromium-driver)")
-    profile = tempfile.mkdtemp(prefix="oni-label-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={profile}", "--window-size=1280,1000"):
-        options.add_argument(arg)
-    try:
-        driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    except Exception as err:  # a browser that cannot start here is an environment problem
-        shutil.rmtree(profile, ignore_errors=True)
-        pytest.skip(f"headless chromium did not start: {type(err).__name__}: {str(err).splitlines()[0]}")
-    return driver, profile
-
-
-@pytest.fixture(scope="module")
-def browser():
-    driver, profile = _chromium()
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
-
-
-def _wait(predicate, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for the page")
-
-
 def _nle_screen():
     from nle import nethack
 
@@ -401,16 +355,6 @@ def _nle_screen():
         return chars.copy(), colors.copy(), bytes(message).split(b"\0")[0].decode("latin-1")
     finally:
         nh.close()
-
-
-def _press(driver, key):
-    from selenium.webdriver.common.action_chains import ActionChains
-
-    ActionChains(driver).send_keys(key).perform()
-
-
-def _ready(driver):
-    return driver.execute_script("return document.body.dataset.ready === '1' && document.body.dataset.busy !== '1'")
 
 
 def test_browser_labels_with_the_keyboard_and_renders_the_screen(browser):
@@ -424,12 +368,12 @@ def test_browser_labels_with_the_keyboard_and_renders_the_screen(browser):
     snaps.offer([_h(welcome)], chars[None], colors[None])
     with serve_feedback(store, port=0, snapshots=snaps, announce=False) as server:
         browser.get(server.url)
-        _wait(lambda: _ready(browser))
+        wait_for(lambda: page_ready(browser))
         message = browser.find_element(By.ID, "message")
         assert message.text == welcome and message.is_displayed()
         assert browser.find_element(By.ID, "counter").text == "0 labels given"
         # the screen: 24 rows of NetHack's terminal, coloured spans, the welcome line on top
-        screen = _wait(lambda: browser.find_element(By.ID, "screen").text)
+        screen = wait_for(lambda: browser.find_element(By.ID, "screen").text)
         assert screen.splitlines()[0].startswith("Hello Agent, welcome to NetHack!")
         classes = browser.execute_script(
             "return Array.from(document.querySelectorAll('#screen span')).map(s => s.className)")
@@ -441,27 +385,27 @@ def test_browser_labels_with_the_keyboard_and_renders_the_screen(browser):
         tty = np.asarray(Image.open(io.BytesIO(browser.find_element(By.ID, "screen").screenshot_as_png)).convert("L"))
         assert tty.mean() < 80 and tty.max() > 150  # light characters on the black terminal
 
-        _press(browser, "n")  # not progress
-        _wait(lambda: browser.find_element(By.ID, "counter").text == "1 label given")
+        press(browser, "n")  # not progress
+        wait_for(lambda: browser.find_element(By.ID, "counter").text == "1 label given")
         assert _label_of(store, welcome) == 0.0 and _provenance_of(store, welcome) == "human"
-        _wait(lambda: browser.find_element(By.ID, "message").text == "You kill the newt!")
+        wait_for(lambda: browser.find_element(By.ID, "message").text == "You kill the newt!")
         llm = browser.find_element(By.ID, "llm")
         assert not llm.is_displayed()  # hidden by default: no anchoring
-        _press(browser, "l")
-        _wait(lambda: llm.is_displayed())
+        press(browser, "l")
+        wait_for(lambda: llm.is_displayed())
         assert llm.text == "progress (openai:some-llm)"
-        _press(browser, "p")
-        _wait(lambda: browser.find_element(By.ID, "counter").text == "2 labels given")
+        press(browser, "p")
+        wait_for(lambda: browser.find_element(By.ID, "counter").text == "2 labels given")
         assert _label_of(store, "You kill the newt!") == 1.0
-        _wait(lambda: browser.find_element(By.ID, "agreement-text").text.startswith("Agree: captions 100% of 1"))
+        wait_for(lambda: browser.find_element(By.ID, "agreement-text").text.startswith("Agree: captions 100% of 1"))
         assert browser.find_elements(By.CSS_SELECTOR, "#agreement-plot svg polyline")
-        _wait(lambda: _ready(browser))
-        _press(browser, "u")  # undo
-        _wait(lambda: browser.find_element(By.ID, "counter").text == "1 label given")
+        wait_for(lambda: page_ready(browser))
+        press(browser, "u")  # undo
+        wait_for(lambda: browser.find_element(By.ID, "counter").text == "1 label given")
         assert _provenance_of(store, "You kill the newt!") == "openai"
-        _wait(lambda: _ready(browser))
-        _press(browser, "s")  # skip: nothing written
-        _wait(lambda: browser.find_element(By.ID, "message").text == "It's a wall.")
+        wait_for(lambda: page_ready(browser))
+        press(browser, "s")  # skip: nothing written
+        wait_for(lambda: browser.find_element(By.ID, "message").text == "It's a wall.")
         assert _provenance_of(store, "You kill the newt!") == "openai" and store.stats()["labelled"] == 2
 
 
@@ -471,7 +415,7 @@ def test_browser_shows_markup_as_text_and_runs_none_of_it(browser):
     store = _store({XSS[0]: 9, XSS[1]: 8, "You kill the newt!": 1})
     with serve_feedback(store, port=0, announce=False) as server:
         browser.get(server.url)
-        _wait(lambda: _ready(browser))
+        wait_for(lambda: page_ready(browser))
         message = browser.find_element(By.ID, "message")
         assert message.text == XSS[0]
         upcoming = browser.find_element(By.ID, "upcoming").text.splitlines()
@@ -479,8 +423,8 @@ def test_browser_shows_markup_as_text_and_runs_none_of_it(browser):
         assert browser.execute_script("return document.querySelectorAll('main img, #message script').length") == 0
         time.sleep(0.3)  # an onerror handler would have fired by now
         assert browser.execute_script("return window.__xss === undefined")
-        _press(browser, "p")
-        _wait(lambda: browser.find_element(By.ID, "message").text == XSS[1])
+        press(browser, "p")
+        wait_for(lambda: browser.find_element(By.ID, "message").text == XSS[1])
         assert _label_of(store, XSS[0]) == 1.0
         assert browser.execute_script("return window.__xss === undefined")
 
@@ -494,15 +438,15 @@ def test_browser_pairs_with_arrow_keys_and_token(browser):
     token = "t" * 8 + "0123456789abcdef"
     with serve_feedback(store, port=0, token=token, announce=False) as server:
         browser.get(server.url_with_token)
-        _wait(lambda: _ready(browser))
+        wait_for(lambda: page_ready(browser))
         assert "token" not in browser.current_url  # dropped from the address bar
-        _press(browser, "v")
-        _wait(lambda: browser.find_element(By.ID, "left-message").text == "It's a wall.")
+        press(browser, "v")
+        wait_for(lambda: browser.find_element(By.ID, "left-message").text == "It's a wall.")
         assert browser.find_element(By.ID, "right-message").text == "You kill the newt!"
-        _wait(lambda: _ready(browser))
-        _press(browser, Keys.ARROW_RIGHT)
-        _wait(lambda: browser.find_element(By.ID, "counter").text == "1 label given")
+        wait_for(lambda: page_ready(browser))
+        press(browser, Keys.ARROW_RIGHT)
+        wait_for(lambda: browser.find_element(By.ID, "counter").text == "1 label given")
         pairs = store.sample_labelled_pairs(4, generator=np.random.default_rng(0))
         assert pairs["preference"].tolist() == [1.0] * 4
         assert int(store.stats()["pairs_labelled"]) == 1
-        _wait(lambda: browser.find_element(By.ID, "empty").is_displayed())
+        wait_for(lambda: browser.find_element(By.ID, "empty").is_displayed())

@@ -18,6 +18,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from helpers import TINY, page_ready, press, wait_for
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.annotators.scripted import ScriptedAnnotator
 from torchrl_oni.captions import decode_message, encode_messages, hash_messages
@@ -33,10 +34,6 @@ from torchrl_oni.train.logging import read_metrics
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(300)
 
-TINY = ["--frames", "1024", "--workers", "1", "--envs-per-worker", "4", "--rollout", "32",
-        "--minibatch-size", "64", "--no-progress", "--no-tensorboard", "--quiet"]
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,16 +46,6 @@ def _call(port, path, body=None, timeout=20):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
-
-
-def _wait(predicate, timeout=30.0, every=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError("timed out")
 
 
 def _provenance(store, caption_hash):
@@ -203,33 +190,27 @@ def test_a_stuck_or_closed_page_never_stalls_training(tmp_path):
     assert os.path.exists(os.path.join(tmp_path, CAPTION_STORE_NAME))
 
 
-def test_a_person_labels_with_the_keyboard_during_training(tmp_path):
+def test_a_person_labels_with_the_keyboard_during_training(tmp_path, browser):
     from selenium.webdriver.common.by import By
-
-    from test_feedback_page import _chromium, _press, _ready
 
     batch = _rollout(seed=2, steps=12)
     hook = _hook(tmp_path)
-    driver = profile = None
+    driver = browser
     try:
         hook.on_batch(batch.clone())
         assert hook.annotation.wait_idle(20)
-        driver, profile = _chromium()
         driver.get(hook.feedback.url)
-        _wait(lambda: driver.execute_script("return document.body.dataset.ready === '1'"))
-        _wait(lambda: _ready(driver))
+        wait_for(lambda: driver.execute_script("return document.body.dataset.ready === '1'"))
+        wait_for(lambda: page_ready(driver))
         shown = driver.find_element(By.ID, "message").text
         caption = int(hash_messages(encode_messages([shown]))[0])
-        assert _wait(lambda: driver.find_element(By.ID, "screen").text).splitlines()  # its game screen
-        _press(driver, "p")
-        _wait(lambda: driver.find_element(By.ID, "counter").text == "1 label given")
+        assert wait_for(lambda: driver.find_element(By.ID, "screen").text).splitlines()  # its game screen
+        press(driver, "p")
+        wait_for(lambda: driver.find_element(By.ID, "counter").text == "1 label given")
         assert hook.store.lookup([caption])[0].tolist() == [1.0]
         assert _provenance(hook.store, caption) == Provenance(HUMAN, "web", "feedback-v1")
         hook.on_batch(batch.clone())  # training goes on while the page is open
     finally:
-        if driver is not None:
-            driver.quit()
-            __import__("shutil").rmtree(profile, ignore_errors=True)
         hook.close()
 
 
@@ -425,7 +406,7 @@ def test_human_feedback_during_an_oni_train_run(tmp_path, monkeypatch):
 
     def person():
         try:
-            queue = _wait(lambda: _queue_items(port), timeout=120)
+            queue = wait_for(lambda: _queue_items(port), timeout=120)
             seen["id"] = queue[0]["id"]
             seen["answer"] = _call(port, "/api/label", {"id": queue[0]["id"], "answer": "progress"})
         finally:

@@ -1,13 +1,12 @@
 """Replay files, the HTML player (in a real headless Chromium) and the GIF of ``oni-replay``."""
 import json
-import os
 import shutil
-import tempfile
 import time
 
 import numpy as np
 import pytest
 
+from helpers import wait_for
 from torchrl_oni.captions import encode_message
 from torchrl_oni.replay import (
     COLS,
@@ -165,86 +164,47 @@ def test_cli_writes_html_beside_the_episode_and_reports_errors(tmp_path, episode
 
 
 # ---------------------------------------------------------------------- a real browser
-def _chromium():
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install selenium)")
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = "/usr/bin/chromedriver" if os.path.exists("/usr/bin/chromedriver") else shutil.which("chromedriver")
-    if not binary or not driver_path:
-        pytest.skip("chromium / chromedriver are not installed (apt-get install -y chromium chromium-driver)")
-    profile = tempfile.mkdtemp(prefix="oni-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={profile}", "--window-size=1400,900"):
-        options.add_argument(arg)
-    try:
-        driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    except Exception as err:  # a browser that cannot start here is an environment problem
-        shutil.rmtree(profile, ignore_errors=True)
-        pytest.skip(f"headless chromium did not start: {type(err).__name__}: {str(err).splitlines()[0]}")
-    return driver, profile
-
-
-def _wait(predicate, timeout=15.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for the page")
-
-
-def test_html_player_in_headless_chromium(tmp_path, episode_file):
+def test_html_player_in_headless_chromium(tmp_path, episode_file, browser):
     from PIL import Image
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
     ep = load_episode(episode_file)
     page = write_html(ep, tmp_path / "ep.html", fps=30)
-    driver, profile = _chromium()
-    try:
-        driver.get(page.resolve().as_uri())
-        _wait(lambda: driver.execute_script("return document.body.dataset.ready === '1'"))
-        screen = lambda: driver.execute_script("return document.getElementById('screen').textContent").split("\n")
-        frame = lambda: int(driver.find_element(By.ID, "frame-counter").get_attribute("data-frame"))
-        assert frame() == 0
-        assert driver.find_element(By.ID, "frame-counter").text == f"frame 0 / {ep.num_frames - 1}"
-        assert [line.rstrip() for line in screen()] == [line.rstrip() for line in ep.screen_lines(0)]
+    driver = browser
+    driver.get(page.resolve().as_uri())
+    wait_for(lambda: driver.execute_script("return document.body.dataset.ready === '1'"))
+    screen = lambda: driver.execute_script("return document.getElementById('screen').textContent").split("\n")
+    frame = lambda: int(driver.find_element(By.ID, "frame-counter").get_attribute("data-frame"))
+    assert frame() == 0
+    assert driver.find_element(By.ID, "frame-counter").text == f"frame 0 / {ep.num_frames - 1}"
+    assert [line.rstrip() for line in screen()] == [line.rstrip() for line in ep.screen_lines(0)]
 
-        # the caption with markup shows as text, with its label and reward beside it
-        body = driver.find_element(By.TAG_NAME, "body")
-        body.send_keys(Keys.ARROW_RIGHT)
-        assert frame() == 1
-        assert driver.find_element(By.ID, "message").text == TRICKY
-        assert driver.execute_script("return document.querySelector('#message b, #log b') === null")
-        assert driver.find_element(By.ID, "label").text.startswith("approved")
-        assert driver.find_element(By.ID, "intrinsic").text == "1.0000"
-        body.send_keys(Keys.ARROW_LEFT)
-        assert frame() == 0
+    # the caption with markup shows as text, with its label and reward beside it
+    body = driver.find_element(By.TAG_NAME, "body")
+    body.send_keys(Keys.ARROW_RIGHT)
+    assert frame() == 1
+    assert driver.find_element(By.ID, "message").text == TRICKY
+    assert driver.execute_script("return document.querySelector('#message b, #log b') === null")
+    assert driver.find_element(By.ID, "label").text.startswith("approved")
+    assert driver.find_element(By.ID, "intrinsic").text == "1.0000"
+    body.send_keys(Keys.ARROW_LEFT)
+    assert frame() == 0
 
-        # play: later frames follow, each screen the recorded one
-        driver.find_element(By.ID, "play").click()
-        _wait(lambda: frame() >= 8)
-        body.send_keys(Keys.SPACE)  # pause
-        time.sleep(0.2)
-        shown = frame()
-        assert shown >= 8 and driver.execute_script("return document.body.dataset.playing") == "0"
-        assert [line.rstrip() for line in screen()] == [line.rstrip() for line in ep.screen_lines(shown)]
-        assert ep.screen_lines(shown) != ep.screen_lines(0)
-        body.send_keys(Keys.END)
-        assert frame() == ep.num_frames - 1
+    # play: later frames follow, each screen the recorded one
+    driver.find_element(By.ID, "play").click()
+    wait_for(lambda: frame() >= 8)
+    body.send_keys(Keys.SPACE)  # pause
+    time.sleep(0.2)
+    shown = frame()
+    assert shown >= 8 and driver.execute_script("return document.body.dataset.playing") == "0"
+    assert [line.rstrip() for line in screen()] == [line.rstrip() for line in ep.screen_lines(shown)]
+    assert ep.screen_lines(shown) != ep.screen_lines(0)
+    body.send_keys(Keys.END)
+    assert frame() == ep.num_frames - 1
 
-        shot = tmp_path / "shot.png"
-        driver.save_screenshot(str(shot))
-        pixels = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3)
-        assert len(np.unique(pixels[:: 7], axis=0)) > 20  # text in several colours, not a blank page
-        assert not [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+    shot = tmp_path / "shot.png"
+    driver.save_screenshot(str(shot))
+    pixels = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3)
+    assert len(np.unique(pixels[:: 7], axis=0)) > 20  # text in several colours, not a blank page
+    assert not [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]

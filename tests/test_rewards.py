@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import encoded
 from torchrl_oni.annotators.base import Preference, Provenance
 from torchrl_oni.captions import encode_messages, hash_messages
 from torchrl_oni.rewards import (
@@ -50,11 +51,6 @@ SOUNDS = ["a door open", "the splashing of a naiad", "bubbling water", "a distan
           "someone counting money", "the footsteps of a guard on patrol"]
 
 
-def _tensors(texts):
-    msgs = torch.as_tensor(encode_messages(texts))
-    return msgs, torch.as_tensor(hash_messages(msgs))
-
-
 class FakeStore:
     """A dict-backed stand-in for CaptionStore: hash -> (message, label), and labelled pairs."""
 
@@ -65,7 +61,7 @@ class FakeStore:
         self.rng = np.random.default_rng(seed)
 
     def set_labels(self, texts, labels):
-        msgs, hashes = _tensors(texts)
+        msgs, hashes = encoded(texts)
         for m, h, y in zip(msgs, hashes.tolist(), labels):
             self.messages[h] = m
             self.labels[h] = float(y)
@@ -96,7 +92,7 @@ class FakeStore:
 
 # --- models -----------------------------------------------------------------------------------
 def test_models_shapes_and_sizes():
-    msgs, _ = _tensors(["You kill the newt!", ""])
+    msgs, _ = encoded(["You kill the newt!", ""])
     enc = MessageEncoder()
     assert enc(msgs).shape == (2, 128)
     assert enc.embedding.padding_idx == 0 and bool((enc.embedding.weight[0] == 0).all())
@@ -116,7 +112,7 @@ def test_retrieval_pays_exactly_the_labelled_messages():
     store.set_labels(["You kill the newt!", "You see here 3 gold pieces.", "It's a wall."], [1, 1, 0])
     texts = ["You kill the newt!", "It's a wall.", "You hear a door open.", "",
              "You see here 3 gold pieces.", "You kill the newt!"]
-    msgs, hashes = _tensors(texts)
+    msgs, hashes = encoded(texts)
     reward = RetrievalReward(store)(msgs, hashes)
     assert reward.dtype == torch.float32
     assert reward.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
@@ -251,7 +247,7 @@ def test_classifier_reaches_high_heldout_accuracy():
     assert after["heldout_accuracy"] > 0.9, after
     assert after["heldout_balanced_accuracy"] > 0.9, after
     # The reward is the thresholded probability of the published model.
-    msgs, hashes = _tensors(["You kill the jackal!", "The jackal bites!"])
+    msgs, hashes = encoded(["You kill the jackal!", "The jackal bites!"])
     r = reward(msgs, hashes)
     p = reward.helpful_probability(msgs)
     assert r.tolist() == (p > 0.5).float().tolist()
@@ -291,7 +287,7 @@ def test_reward_reads_while_trainer_publishes():
     store.set_labels(texts, labels)
     reward = ClassificationReward()
     trainer = ClassifierTrainer(reward, store, batch_size=8, lr=1e-3)
-    msgs, hashes = _tensors(texts[:16])
+    msgs, hashes = encoded(texts[:16])
     errors, stop = [], threading.Event()
 
     def read():
@@ -320,7 +316,7 @@ ORDER = ["It's a wall.", "Never mind.", "You hear a door open.", "The newt bites
 
 def _ordered_pairs(store, n_pairs, seed=0, tie_every=7):
     rng = np.random.default_rng(seed)
-    msgs, _ = _tensors(ORDER)
+    msgs, _ = encoded(ORDER)
     for k in range(n_pairs):
         i, j = rng.choice(len(ORDER), size=2, replace=False)
         pref = 1.0 if j > i else 0.0
@@ -339,7 +335,7 @@ def test_ranking_model_learns_a_total_order():
         metrics = trainer.train_steps(25)
     assert metrics["steps"] == 25 and trainer.total_steps == 100
     assert metrics["accuracy"] > 0.8
-    msgs, hashes = _tensors(ORDER)
+    msgs, hashes = encoded(ORDER)
     scores = reward.scores(msgs)
     pairs = list(itertools.combinations(range(len(ORDER)), 2))
     concordant = sum(bool(scores[j] > scores[i]) for i, j in pairs)
@@ -364,7 +360,7 @@ def test_bradley_terry_loss_values():
 
 def test_unique_pair_sampler():
     texts = [f"You see here {i} gold pieces." for i in range(200)] + [""] * 50
-    msgs, hashes = _tensors(texts + texts)  # duplicates count once
+    msgs, hashes = encoded(texts + texts)  # duplicates count once
     sampler = UniqueCaptionPairSampler(capacity=1000, seed=0)
     assert sampler.observe(msgs, hashes) == 200
     assert sampler.observe(msgs, hashes) == 0
@@ -497,7 +493,7 @@ def test_train_reward_model_and_motif_reward(tmp_path):
     values = ckpt["quantile_values"]
     assert len(values) == 19 and bool((values[1:] >= values[:-1]).all())
     reward = MotifReward(path, quantile=0.5)
-    msgs, hashes = _tensors(ORDER)
+    msgs, hashes = encoded(ORDER)
     z = reward.normalized_scores(msgs)
     raw = MessageRewardModel()
     raw.load_state_dict(ckpt["model"])
@@ -531,7 +527,7 @@ def test_motif_command_line_tools(tmp_path, monkeypatch, capsys):
     assert motif_module.train_reward_main(
         [str(pairs), str(labels), "--out", str(ckpt), "--epochs", "1", "--batch-size", "16",
          "--lr", "1e-3"]) == 0
-    assert MotifReward(ckpt)(*_tensors(ORDER[:2])).shape == (2,)
+    assert MotifReward(ckpt)(*encoded(ORDER[:2])).shape == (2,)
     capsys.readouterr()
     # Bad input: one line on stderr, exit status 2, no traceback.
     bad_calls = [
@@ -569,7 +565,7 @@ def test_bow_with_hashed_vectors_memoises():
     calls = []
     original = reward.similarity
     reward.similarity = lambda text: calls.append(text) or original(text)
-    msgs, hashes = _tensors(["You kill the newt!", "It's a wall.", "", "You kill the newt!"])
+    msgs, hashes = encoded(["You kill the newt!", "It's a wall.", "", "You kill the newt!"])
     r = reward(msgs, hashes)
     assert 0.15 < r[0] < 0.45 and r[1] == 0  # 1 shared word of 2 vs 6: ~1/sqrt(12)
     assert r[2] == 0 and r[3] == r[0]
@@ -585,13 +581,13 @@ def test_bow_minilm_prefers_on_goal_messages():
     pytest.importorskip("tokenizers")
     pytest.importorskip("safetensors")
     reward = BoWReward(threshold=-1.0)  # default goal and MiniLM token vectors
-    on_msgs, on_hashes = _tensors(ON_GOAL)
-    off_msgs, off_hashes = _tensors(OFF_GOAL)
+    on_msgs, on_hashes = encoded(ON_GOAL)
+    off_msgs, off_hashes = encoded(OFF_GOAL)
     on, off = reward(on_msgs, on_hashes), reward(off_msgs, off_hashes)
     assert on.mean() > off.mean() + 0.1, (on, off)
     wins = sum(bool(a > b) for a in on for b in off)
     assert wins / (len(on) * len(off)) > 0.8
-    assert reward(*_tensors([""])).item() == 0.0
+    assert reward(*encoded([""])).item() == 0.0
     cut = BoWReward(threshold=0.3)(on_msgs, on_hashes)
     assert torch.equal(cut, torch.where(on > 0.3, on, torch.zeros_like(on)))
 
@@ -613,7 +609,7 @@ def test_rewards_and_trainers_run_on_the_caption_store():
     store = store_module.CaptionStore(capacity=64)
     prov = Provenance(annotator="scripted")
     texts = ["You kill the newt!", "It's a wall.", "You see here 3 gold pieces.", "Never mind."]
-    msgs, hashes = _tensors(texts)
+    msgs, hashes = encoded(texts)
     store.add(msgs, hashes)
     store.set_labels(hashes[:3], [1.0, 0.0, 1.0], prov)
     assert RetrievalReward(store)(msgs, hashes).tolist() == [1.0, 0.0, 1.0, 0.0]

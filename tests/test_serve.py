@@ -14,6 +14,7 @@ import time
 import aiohttp
 import pytest
 
+from helpers import run_cli
 from torchrl_oni.serve.embedded import ScriptedEngine, start_embedded_server
 from torchrl_oni.serve.models import TEST_MODEL, is_installed, resolve_model
 from torchrl_oni.serve.vllm import VLLMLaunchError, VLLMServer, vllm_command
@@ -46,12 +47,6 @@ def _get(url: str) -> tuple:
                 return resp.status, await resp.json()
 
     return asyncio.run(go())
-
-
-@pytest.fixture(scope="module")
-def scripted():
-    with start_embedded_server(backend="scripted", port=0) as server:
-        yield server
 
 
 class TestScriptedServer:
@@ -161,8 +156,7 @@ def test_scripted_engine_reads_the_last_tagged_message():
 # CLI
 # ---------------------------------------------------------------------------------------------
 def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "torchrl_oni.serve", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return run_cli("torchrl_oni.serve", *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("args", [

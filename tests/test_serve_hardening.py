@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import aiohttp
 import pytest
 
+from helpers import poll, run_cli
 from torchrl_oni.serve.embedded import (Completion, OpenAIServer, ScriptedEngine, ServerHandle,
                                         start_embedded_server)
 
@@ -54,15 +55,6 @@ def _call(method, url, body=None, key=None, raw=None):
             return await _send(session, method, url, body, key, raw=raw)
 
     return asyncio.run(go())
-
-
-def _until(predicate, timeout=5.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def _health(server):
@@ -178,7 +170,7 @@ def test_full_queue_answers_503_with_retry_after():
                 first = post("You kill the newt!")
                 assert await asyncio.to_thread(engine.entered.wait, 5)
                 queued = [post("It's a wall."), post("You see here 3 gold pieces.")]
-                assert await asyncio.to_thread(_until, lambda: _health(server)["queued"] == 2)
+                assert await asyncio.to_thread(poll, lambda: _health(server)["queued"] == 2)
                 status, headers, body = await _send(session, "POST", url, {"prompt": "late"})
                 _assert_openai_error(status, body, 503, code="server_busy")
                 assert int(headers["Retry-After"]) >= 1
@@ -209,7 +201,7 @@ def test_work_of_disconnected_clients_is_dropped():
                         await task
                 # The server noticed: queue empty, the running call gave up without the gate.
                 assert await asyncio.to_thread(
-                    _until, lambda: _health(server)["cancelled"] == 3 and engine.aborted_calls == 1)
+                    poll, lambda: _health(server)["cancelled"] == 3 and engine.aborted_calls == 1)
                 assert (await asyncio.to_thread(_health, server))["queued"] == 0
                 engine.gate.set()
                 return await _send(session, "POST", url, {"prompt": PROMPT, "max_tokens": 1})
@@ -231,7 +223,7 @@ def test_stopping_the_server_answers_running_and_waiting_requests_503():
             assert await asyncio.to_thread(engine.entered.wait, 5)
             waiting = asyncio.create_task(_send(session, "POST", url, {"prompt": "B",
                                                                        "max_tokens": 3}))
-            assert await asyncio.to_thread(_until, lambda: _health(server)["queued"] == 1)
+            assert await asyncio.to_thread(poll, lambda: _health(server)["queued"] == 1)
             started = time.monotonic()
             await asyncio.to_thread(server.stop)  # the gate stays shut: only `alive` frees it
             return time.monotonic() - started, [await running, await waiting]
@@ -239,7 +231,7 @@ def test_stopping_the_server_answers_running_and_waiting_requests_503():
     try:
         seconds, answers = asyncio.run(go())
         # the engine thread, left running by the stop, gives up at its next check
-        assert _until(lambda: engine.aborted_calls == 1)
+        assert poll(lambda: engine.aborted_calls == 1)
     finally:
         engine.gate.set()
         server.stop()
@@ -368,12 +360,6 @@ def test_prompt_over_the_byte_limit_is_refused_before_the_engine():
 # ---------------------------------------------------------------------------------------------
 # validation: nothing a client sends gives a 500
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def scripted():
-    with start_embedded_server(backend="scripted", port=0) as server:
-        yield server
-
-
 @pytest.mark.parametrize("route,raw,param,words", [
     ("completions", b'{"prompt": "x", "temperature": NaN}', "temperature", "finite"),
     ("completions", b'{"prompt": "x", "max_tokens": Infinity}', "max_tokens", "finite"),
@@ -461,8 +447,7 @@ def _cli_env(**extra):
 
 
 def _cli(*args, env=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", "torchrl_oni.serve", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env or _cli_env())
+    return run_cli("torchrl_oni.serve", *args, env=env or _cli_env(), timeout=timeout)
 
 
 def _one_error_line(proc):
@@ -623,35 +608,35 @@ def _fake_vllm_cli(tmp_path, *cli_args, delay=0.0, exit_code=0, env=None):
 @needs_proc
 def test_sigterm_while_vllm_starts_stops_its_whole_process_group(tmp_path):
     with _fake_vllm_cli(tmp_path, delay=120) as (proc, record, _):
-        assert _until(record.exists, timeout=20), proc.stderr.read()
+        assert poll(record.exists, timeout=20), proc.stderr.read()
         pids = json.loads(record.read_text())
         assert _running(pids["pid"]) and _running(pids["worker"])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert "stopped" in proc.stderr.read()
         assert proc.stdout.read() == ""  # never got to print a URL
-        assert _until(lambda: not _running(pids["pid"]) and not _running(pids["worker"]))
+        assert poll(lambda: not _running(pids["pid"]) and not _running(pids["worker"]))
 
 
 @needs_proc
 def test_ctrl_c_while_vllm_starts_stops_it(tmp_path):
     with _fake_vllm_cli(tmp_path, delay=120) as (proc, record, _):
-        assert _until(record.exists, timeout=20), proc.stderr.read()
+        assert poll(record.exists, timeout=20), proc.stderr.read()
         pids = json.loads(record.read_text())
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert "Traceback" not in proc.stderr.read()
-        assert _until(lambda: not _running(pids["pid"]) and not _running(pids["worker"]))
+        assert poll(lambda: not _running(pids["pid"]) and not _running(pids["worker"]))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_vllm_dies_with_a_killed_oni_serve(tmp_path):
     with _fake_vllm_cli(tmp_path, delay=120) as (proc, record, _):
-        assert _until(record.exists, timeout=20), proc.stderr.read()
+        assert poll(record.exists, timeout=20), proc.stderr.read()
         pids = json.loads(record.read_text())
         proc.kill()  # SIGKILL: no handler runs in oni-serve
         proc.wait()
-        assert _until(lambda: not _running(pids["pid"]))  # the kernel's SIGTERM
+        assert poll(lambda: not _running(pids["pid"]))  # the kernel's SIGTERM
 
 
 @needs_proc
@@ -665,7 +650,7 @@ def test_vllm_gets_the_api_key_by_environment_and_is_probed_with_it(tmp_path):
         assert seen["argv"][:2] == ["--model", "org/m"] and "llama" in seen["argv"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        assert _until(lambda: not _running(seen["pid"]) and not _running(seen["worker"]))
+        assert poll(lambda: not _running(seen["pid"]) and not _running(seen["worker"]))
 
 
 @needs_proc
@@ -676,4 +661,4 @@ def test_vllm_dying_at_start_is_one_error_line_and_leaves_nothing(tmp_path):
                                                            proc.stderr.read()))
         assert "code 3" in line and "cuda not found" in line and "full log" in line
         pids = json.loads(record.read_text())
-        assert _until(lambda: not _running(pids["worker"]))  # its group was stopped too
+        assert poll(lambda: not _running(pids["worker"]))  # its group was stopped too

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import encoded
 from torchrl_oni.annotators.base import FIRST, SECOND, TIE, Provenance
 from torchrl_oni.captions import MESSAGE_LEN, caption_hash, decode_message, encode_messages, hash_messages
 from torchrl_oni import store as store_module
@@ -20,11 +21,6 @@ torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(60)
 
 PROV = Provenance("test", "rules", "v1")
-
-
-def _batch(texts):
-    msgs = encode_messages(texts)
-    return torch.from_numpy(msgs), torch.from_numpy(hash_messages(msgs))
 
 
 def _random_captions(n, seed=0):
@@ -38,7 +34,7 @@ def _random_captions(n, seed=0):
 
 def test_add_dedups_within_and_across_batches():
     store = CaptionStore(capacity=16)
-    msgs, hashes = _batch(["a", "b", "a", "c", "b", "a"])
+    msgs, hashes = encoded(["a", "b", "a", "c", "b", "a"])
     new = store.add(msgs, hashes)
     assert new.tolist() == [True, True, False, True, False, False]
     assert len(store) == 3
@@ -54,7 +50,7 @@ def test_add_dedups_within_and_across_batches():
 
 def test_add_keeps_batch_shape_and_computes_missing_hashes():
     store = CaptionStore(capacity=16)
-    msgs, hashes = _batch(["x", "y", "x", "z", "y", "w"])
+    msgs, hashes = encoded(["x", "y", "x", "z", "y", "w"])
     new = store.add(msgs.reshape(2, 3, MESSAGE_LEN), hashes.reshape(2, 3, 1))
     assert new.shape == (2, 3, 1)
     assert new.sum() == 4
@@ -117,7 +113,7 @@ def test_message_bytes_round_trip(tmp_path):
 
 def test_claim_order_and_pending():
     store = CaptionStore(capacity=8)
-    msgs, hashes = _batch(["rare", "common", "mid"])
+    msgs, hashes = encoded(["rare", "common", "mid"])
     store.add(msgs, hashes)
     store.add(msgs[1:], hashes[1:])
     store.add(msgs[1:2], hashes[1:2])  # common: 3, mid: 2, rare: 1
@@ -140,7 +136,7 @@ def test_claim_order_and_pending():
 
 def test_unparsable_answers_give_up_after_max_attempts():
     store = CaptionStore(capacity=8, max_attempts=3, retry_backoff_s=0.0)
-    msgs, hashes = _batch(["flaky", "fine"])
+    msgs, hashes = encoded(["flaky", "fine"])
     store.add(msgs, hashes)
     for attempt in range(1, 3):
         got, texts = store.claim(1)
@@ -171,7 +167,7 @@ def test_unparsable_answers_give_up_after_max_attempts():
                                   "ConnectionError", "wrong count"])
 def test_server_faults_never_give_up(kind):
     store = CaptionStore(capacity=8, max_attempts=2, server_retry_s=0.0, retry_backoff_s=0.0)
-    msgs, hashes = _batch(["a", "b"])
+    msgs, hashes = encoded(["a", "b"])
     store.add(msgs, hashes)
     for _ in range(10):
         got, texts = store.claim(5)
@@ -188,7 +184,7 @@ def test_server_faults_never_give_up(kind):
 
 def test_server_fault_backoff_and_requeue():
     store = CaptionStore(capacity=8, server_retry_s=3600.0)
-    msgs, hashes = _batch(["a", "b", "c"])
+    msgs, hashes = encoded(["a", "b", "c"])
     store.add(msgs, hashes)
     store.mark_failed(store.claim(2)[0], "timeout")
     assert store.claim(5)[1] == ["c"] and store.claimable() == 0
@@ -212,7 +208,7 @@ def test_legacy_failed_captions_are_requeued(tmp_path):
     """A store written before server faults were told apart had captions given up for server
     errors (status 3): requeue_server_failures puts them back with a fresh attempt count."""
     store = CaptionStore(capacity=8)
-    msgs, hashes = _batch(["a", "b", "c"])
+    msgs, hashes = encoded(["a", "b", "c"])
     store.add(msgs, hashes)
     slots = store.slots(hashes).numpy()
     store._captions.cols["status"][slots[:2]] = store_module.FAILED  # as the old code left them
@@ -250,7 +246,7 @@ def test_claim_most_seen_matches_a_full_sort():
 
 def test_set_labels_scores_provenance_and_validation():
     store = CaptionStore(capacity=8)
-    msgs, hashes = _batch(["a", "b"])
+    msgs, hashes = encoded(["a", "b"])
     store.add(msgs, hashes)
     unknown = torch.tensor([12345])
     known = store.set_labels(torch.cat([hashes, unknown]), [1.0, 0.0, 1.0], PROV, scores=[0.9, 0.2, 0.5])
@@ -270,7 +266,7 @@ def test_set_labels_scores_provenance_and_validation():
 
 def test_stats_coverage():
     store = CaptionStore(capacity=8)
-    msgs, hashes = _batch(["a", "a", "a", "b"])
+    msgs, hashes = encoded(["a", "a", "a", "b"])
     store.add(msgs, hashes)
     store.set_labels(hashes[:1], 1.0, PROV)
     stats = store.stats()
@@ -281,7 +277,7 @@ def test_stats_coverage():
 
 def test_pairs():
     store = CaptionStore(capacity=8, pair_capacity=2)
-    msgs, hashes = _batch(["You kill the newt!", "It's a wall.", "Hello"])
+    msgs, hashes = encoded(["You kill the newt!", "It's a wall.", "Hello"])
     store.add(msgs, hashes)
     slots = store.add_pairs(hashes[[0, 1, 0, 2]], hashes[[1, 2, 1, 0]])
     assert slots.tolist()[0] == slots.tolist()[2]  # same ordered pair, same slot
@@ -369,7 +365,7 @@ def test_load_errors(tmp_path):
 
 def _labelled_store(texts, label):
     store = CaptionStore(capacity=8)
-    msgs, hashes = _batch(texts)
+    msgs, hashes = encoded(texts)
     store.add(msgs, hashes)
     store.set_labels(hashes, label, PROV)
     return store, hashes
@@ -462,7 +458,7 @@ def _row(store, h, field):
 
 def test_a_human_label_is_kept_over_later_non_human_ones(tmp_path):
     store = CaptionStore(capacity=8)
-    msgs, hashes = _batch(["a", "b", "c"])
+    msgs, hashes = encoded(["a", "b", "c"])
     store.add(msgs, hashes)
     assert store.set_labels(hashes[:2], [1.0, 0.0], HUMAN_PROV).tolist() == [True, True]
     # an LLM answer arriving later, mixed with one for an unlabelled caption and one unknown hash
@@ -492,7 +488,7 @@ def test_a_human_label_is_kept_over_later_non_human_ones(tmp_path):
 
 def test_a_human_preference_is_kept_over_later_non_human_ones():
     store = CaptionStore(capacity=8)
-    msgs, hashes = _batch(["a", "b", "c"])
+    msgs, hashes = encoded(["a", "b", "c"])
     store.add(msgs, hashes)
     slots = store.add_pairs(hashes[:2], hashes[1:])
     store.set_preferences(slots[:1], [FIRST], HUMAN_PROV)
@@ -505,7 +501,7 @@ def test_a_human_preference_is_kept_over_later_non_human_ones():
 @pytest.mark.parametrize("how", ["kind", "final"])
 def test_a_skip_is_final_and_counted(tmp_path, how):
     store = CaptionStore(capacity=8, server_retry_s=0.0, retry_backoff_s=0.0)
-    msgs, hashes = _batch(["a", "b"])
+    msgs, hashes = encoded(["a", "b"])
     store.add(msgs, hashes)
     claimed, _ = store.claim(2)
     if how == "kind":
@@ -531,7 +527,7 @@ def test_a_skip_is_final_and_counted(tmp_path, how):
 
 def test_row_reads_and_compare_and_set_restores():
     store = CaptionStore(capacity=8)
-    msgs, hashes = _batch(["", "a", "b", "c", "a"])
+    msgs, hashes = encoded(["", "a", "b", "c", "a"])
     store.add(msgs, hashes)  # slots: "" 0, a 1, b 2, c 3
     store.set_labels(hashes[1:2], [1.0], PROV, scores=[0.9])
     store.set_labels(hashes[2:3], [0.0], HUMAN_PROV)

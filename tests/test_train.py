@@ -1,12 +1,11 @@
 """PPO training end to end: a short run, checkpoint → resume, the CLI's error handling."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from helpers import run_cli
 from torchrl_oni.train import TrainConfig, Trainer
 from torchrl_oni.train.checkpoint import load_checkpoint, save_checkpoint
 from torchrl_oni.train.logging import read_metrics
@@ -87,8 +86,7 @@ def test_recurrent_policies_train(tmp_path, arch):
 
 
 def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "torchrl_oni.train", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return run_cli("torchrl_oni.train", *args, timeout=timeout)
 
 
 @pytest.mark.parametrize(

@@ -8,15 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import TINY
 from torchrl_oni.store import CaptionStore
 from torchrl_oni.train.cli import main
 from torchrl_oni.train.intrinsic import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
 from torchrl_oni.train.logging import read_metrics
 
 torch.set_num_threads(1)
-
-TINY = ["--frames", "1024", "--workers", "1", "--envs-per-worker", "4", "--rollout", "32",
-        "--minibatch-size", "64", "--no-progress", "--no-tensorboard", "--quiet"]
 
 
 def _run(tmp_path, *flags):

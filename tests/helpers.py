@@ -1,0 +1,91 @@
+"""Plain helpers shared by the test modules (fixtures live in ``conftest.py``).
+
+Test modules import them as ``from helpers import ...``: ``tests/conftest.py`` puts this folder
+on ``sys.path`` (as it does for ``fake_llm_server``).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import torch
+
+from torchrl_oni.annotators.scripted import ScriptedAnnotator
+from torchrl_oni.captions import encode_messages, hash_messages
+
+TIMEOUT = 20.0
+"""Seconds a test waits for work in the background (a worker thread, a server) before failing."""
+
+RULES = ScriptedAnnotator()
+"""The scripted rules: what a well-behaved LLM (the fake server included) answers for a caption."""
+
+TINY = ["--frames", "1024", "--workers", "1", "--envs-per-worker", "4", "--rollout", "32",
+        "--minibatch-size", "64", "--no-progress", "--no-tensorboard", "--quiet"]
+"""oni-train flags for a tiny, quiet run of 1024 frames (add ``--logdir``)."""
+
+
+# ------------------------------------------------------------------------------------ waiting
+def poll(predicate, timeout=TIMEOUT, every=0.02):
+    """Call ``predicate`` until it is truthy (then True) or ``timeout`` seconds pass (then its last value).
+
+    For ``assert poll(...)``: a time-out is the assertion's failure.
+
+    >>> poll(lambda: 42, timeout=1.0)
+    True
+    >>> poll(lambda: 0, timeout=0.05, every=0.01)
+    0
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return predicate()
+
+
+def wait_for(predicate, timeout=30.0, every=0.05, what="the condition"):
+    """Call ``predicate`` until it is truthy and return that value; AssertionError after ``timeout`` s.
+
+    >>> wait_for(lambda: "ready", timeout=1.0)
+    'ready'
+    """
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+# ------------------------------------------------------------------------------------ captions
+def encoded(texts):
+    """The encoded messages of ``texts`` and their caption hashes, as torch tensors.
+
+    >>> msgs, hashes = encoded(["You kill the newt!", ""])
+    >>> msgs.dtype, tuple(hashes.shape)
+    (torch.uint8, (2,))
+    """
+    msgs = encode_messages(texts)
+    return torch.from_numpy(msgs), torch.from_numpy(hash_messages(msgs))
+
+
+# ------------------------------------------------------------------------------------ command lines
+def run_cli(module, *args, env=None, timeout=60):
+    """Run ``python -m module *args`` to the end; the CompletedProcess, with text output."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+# ------------------------------------------------------------------------------------ the browser
+def press(driver, key):
+    """Send ``key`` to the page the way a person types it (to the focused element)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    ActionChains(driver).send_keys(key).perform()
+
+
+def page_ready(driver):
+    """Whether the labelling page has loaded and is not waiting on the server."""
+    return driver.execute_script("return document.body.dataset.ready === '1' && document.body.dataset.busy !== '1'")
