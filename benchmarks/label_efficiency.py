@@ -201,7 +201,10 @@ def main(argv=None) -> None:
         xs = np.array([v[k] for v in values], dtype=float)
         return f"{xs.mean():.3f}±{xs.std():.3f}" if k < 2 else f"{xs.mean():.1f}"
 
-    print(f"\nheld-out balanced accuracy (mean±std over {len(args.seeds)} seeds), teacher beta={args.beta} "
+    seeds_done = {r: len(results[r][budgets[0]]) if budgets else 0 for r in args.rules}
+    print(f"\nheld-out balanced accuracy (mean±std over the seeds run: "
+          + ", ".join(f"{r} {n}" for r, n in seeds_done.items())
+          + f"{'' if complete else '; --seconds ran out'}), teacher beta={args.beta} "
           f"epsilon={args.epsilon}, {args.members} members")
     print(f"{'labels':>7} " + " ".join(f"{r:>14}" for r in args.rules))
     for b in budgets:
@@ -213,6 +216,7 @@ def main(argv=None) -> None:
     summary = {
         "benchmark": "label_efficiency",
         "budgets": budgets,
+        "seeds_done": seeds_done,
         "pool": int(len(pool_msgs)), "test": int(test.sum()),
         "pool_positives": int(pool_truth.sum()), "test_positives": int(test_truth.sum()),
         "teacher": {"beta": args.beta, "epsilon": args.epsilon}, "members": args.members, "seeds": args.seeds,

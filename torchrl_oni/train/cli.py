@@ -146,7 +146,8 @@ def _print_summary(cfg: TrainConfig, summary: dict) -> None:
     keys = [("frames", "frames", "{:,.0f}"), ("fps", "frames/s", "{:,.0f}"), ("episodes", "episodes", "{:,.0f}"),
             ("episode/return", "return (last 100 episodes)", "{:.2f}"), ("episode/length", "episode length", "{:.0f}"),
             ("episode/dlvl", "dungeon level", "{:.2f}"), ("episode/xlvl", "experience level", "{:.2f}"),
-            ("episode/success", "success rate", "{:.3f}"), ("reward/intrinsic_mean", "intrinsic reward / step", "{:.4f}"),
+            ("episode/success", "success rate", "{:.3f}"), ("reward/intrinsic_mean", "intrinsic reward / step", "{:.3g}"),
+            ("intrinsic/rewarded_fraction", "steps paid (last batch)", "{:.2%}"),
             ("labels/seen_coverage", "label coverage (of steps)", "{:.1%}"),
             ("labels/labelled", "captions labelled", "{:,.0f}"), ("labels/captions", "captions seen", "{:,.0f}"),
             ("collect_fraction", "time waiting for envs", "{:.0%}")]
