@@ -224,6 +224,30 @@ def test_low_label_coverage_is_said_loudly(tmp_path):
         hook.close(save=False)
 
 
+def test_an_untrained_reward_model_is_said_loudly(tmp_path):
+    """A classification run whose model took a handful of steps (a short CPU run under the time
+    cap) pays noise: the summary must say so, and stay quiet once the model has learned."""
+    from torchrl_oni.train import TrainConfig
+    from torchrl_oni.train.intrinsic import MIN_REWARD_MODEL_STEPS, IntrinsicRewardHook
+
+    hook = IntrinsicRewardHook(TrainConfig(intrinsic_reward="classification", annotator="scripted",
+                                           logdir=str(tmp_path)))
+    try:
+        covered = {"labels/seen_coverage": 1.0, "labels/labelled": 500, "labels/captions": 500}
+        (line,) = hook.final_warnings({**covered, "reward_model/steps": 11,
+                                       "reward_model/heldout_balanced_accuracy": 0.5})
+        assert "classification reward model trained only 11 steps" in line and "0.50" in line
+        (line,) = hook.final_warnings({**covered, "reward_model/steps": MIN_REWARD_MODEL_STEPS * 5,
+                                       "reward_model/heldout_balanced_accuracy": 0.52})
+        assert "close to noise" in line  # many steps, still at chance
+        assert hook.final_warnings({**covered, "reward_model/steps": MIN_REWARD_MODEL_STEPS,
+                                    "reward_model/heldout_balanced_accuracy": 0.8}) == []
+        assert hook.final_warnings({**covered, "reward_model/steps": MIN_REWARD_MODEL_STEPS,
+                                    "reward_model/heldout_balanced_accuracy": float("nan")}) == []
+    finally:
+        hook.close(save=False)
+
+
 def test_the_summary_prints_the_warning(capsys):
     from torchrl_oni.train.cli import _print_summary
     from torchrl_oni.train import TrainConfig

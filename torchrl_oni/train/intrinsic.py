@@ -83,6 +83,11 @@ LOW_COVERAGE = 0.05
 COVERAGE_GRACE_S = 60.0
 ALERT_EVERY_S = 60.0
 FINAL_COVERAGE_WARNING = 0.5
+# A learned reward (classification, ranking) whose model took fewer steps than this, or still
+# scores at chance on its held-out captions, pays noise: ONI's char-CNN needs ~100 Adam steps to
+# leave chance, and on a CPU learner under --rm-time-fraction a short run may give it 11.
+MIN_REWARD_MODEL_STEPS = 100
+CHANCE_BALANCED_ACCURACY = 0.55
 
 
 def _check_llm(annotator) -> None:
@@ -470,19 +475,32 @@ class IntrinsicRewardHook:
         return metrics.get("labels/pairs_labelled", 0) / pairs if pairs else 0.0
 
     def final_warnings(self, metrics: Dict[str, float]) -> List[str]:
-        """Lines the run's summary must show when ONI did (almost) nothing."""
+        """Lines the run's summary must show when ONI did (almost) nothing: labels that never
+        came, or a learned reward whose model never left chance."""
+        lines = self._reward_model_warnings(metrics)
         if self.annotation is None:
-            return []
+            return lines
         coverage = self._coverage(metrics)
         if coverage >= FINAL_COVERAGE_WARNING:
-            return []
+            return lines
         if self.spec.labels:
             done, total, unit = metrics.get("labels/labelled", 0), metrics.get("labels/captions", 0), "captions"
         else:
             done, total, unit = metrics.get("labels/pairs_labelled", 0), metrics.get("labels/pairs", 0), "pairs"
         health = self._final_health or self.annotation.health(window_s=float("inf"))
         return [f"ONI barely ran: {int(done):,} of {int(total):,} {unit} labelled ({coverage:.1%}), so the "
-                f"intrinsic reward was mostly 0. Annotation: {health}"]
+                f"intrinsic reward was mostly 0. Annotation: {health}"] + lines
+
+    def _reward_model_warnings(self, metrics: Dict[str, float]) -> List[str]:
+        if self.rm_trainer is None or "reward_model/steps" not in metrics:
+            return []
+        steps = int(metrics["reward_model/steps"])
+        balanced = metrics.get("reward_model/heldout_balanced_accuracy", float("nan"))
+        if steps >= MIN_REWARD_MODEL_STEPS and not balanced <= CHANCE_BALANCED_ACCURACY:
+            return []
+        held = f", held-out balanced accuracy {balanced:.2f}" if balanced == balanced else ""
+        return [f"the {self.kind} reward model trained only {steps:,} steps{held}: its reward is close to "
+                "noise. Give it time (--rm-time-fraction 0.5 or 0, a longer run) or a GPU learner (--device cuda)"]
 
     def _stateful(self) -> Dict[str, object]:
         objects = dict(self.parts.stateful or {})
