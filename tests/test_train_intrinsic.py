@@ -222,6 +222,14 @@ def test_low_label_coverage_is_said_loudly(tmp_path):
         assert hook.final_warnings({"labels/seen_coverage": 0.97}) == []
     finally:
         hook.close(save=False)
+    budgeted = TrainConfig(intrinsic_reward="retrieval", annotator="scripted", label_budget=600,
+                           logdir=str(tmp_path / "budget"))
+    hook = IntrinsicRewardHook(budgeted)
+    try:  # few labels under a budget is what was asked for: said plainly, not as a failure
+        (final,) = hook.final_warnings({"labels/seen_coverage": 0.2, "labels/labelled": 30, "labels/captions": 150})
+        assert final.startswith("label budget: 30 of 150 captions") and "barely" not in final
+    finally:
+        hook.close(save=False)
 
 
 def test_an_untrained_reward_model_is_said_loudly(tmp_path):

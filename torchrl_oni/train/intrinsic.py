@@ -487,6 +487,10 @@ class IntrinsicRewardHook:
             done, total, unit = metrics.get("labels/labelled", 0), metrics.get("labels/captions", 0), "captions"
         else:
             done, total, unit = metrics.get("labels/pairs_labelled", 0), metrics.get("labels/pairs", 0), "pairs"
+        budget = self.cfg.annotation.label_budget
+        if budget is not None:  # few labels is what was asked for: say so, not "barely ran"
+            return [f"label budget: {int(done):,} of {int(total):,} {unit} labelled ({coverage:.1%}) under "
+                    f"--label-budget {budget:g} per million frames"] + lines
         health = self._final_health or self.annotation.health(window_s=float("inf"))
         return [f"ONI barely ran: {int(done):,} of {int(total):,} {unit} labelled ({coverage:.1%}), so the "
                 f"intrinsic reward was mostly 0. Annotation: {health}"] + lines
