@@ -76,7 +76,7 @@ from torchrl_oni.rewards.classification import (
 )
 from torchrl_oni.rewards.models import MessageClassifier, MessageRewardModel, as_message_tensor
 from torchrl_oni.rewards.ranking import RankingReward, RankingTrainer
-from torchrl_oni.rewards.scaling import RunningMeanStd, threshold as threshold_values
+from torchrl_oni.rewards.scaling import RunningMeanStd
 
 __all__ = [
     "bootstrap_counts",
@@ -286,14 +286,9 @@ class RankingEnsemble(_Ensemble):
         """``float32[K, M]``: each member's P(second is better) (Bradley–Terry)."""
         return pair_member_probs(self.member_scores(first), self.member_scores(second)).float()
 
-    def __call__(self, messages: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
-        """``(uint8[N,256], int64[N]) -> float32[N]``, before count scaling."""
-        raw = self.scores(messages)
-        if not self.normalize:
-            return raw
-        if self.update_stats:
-            self.stats.update(raw)
-        return threshold_values(self.stats.normalize(raw).float(), self.threshold)
+    # RankingReward's recipe on the members' mean score: it reads only scores(), normalize,
+    # update_stats, stats and threshold, which this class has with the same meaning
+    __call__ = RankingReward.__call__
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "stats": self.stats.state_dict(), "threshold": self.threshold}
