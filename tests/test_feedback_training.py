@@ -123,8 +123,10 @@ def test_a_persons_label_reaches_the_reward_from_the_next_batch(tmp_path):
         out = hook.on_batch(batch.clone())
         assert not {k for k in out.keys(True, True) if "tty" in str(k)}  # PPO never carries the screens
         assert hook.annotation.wait_idle(20)
-        steps = out["caption_hash"] == welcome
-        assert steps.any() and (out["next", "intrinsic_reward"].squeeze(-1)[steps] == 0).all()
+        # the rules' labels came after `out` was paid (asynchronously); this batch has all of them
+        labelled = hook.on_batch(batch.clone())
+        steps = labelled["caption_hash"] == welcome
+        assert steps.any() and (labelled["next", "intrinsic_reward"].squeeze(-1)[steps] == 0).all()
         # the screen of every caption new to the store was kept, and the page serves it
         distinct = set(batch["caption_hash"].reshape(-1).tolist())
         assert all(h in hook.snapshots for h in distinct)
@@ -141,7 +143,7 @@ def test_a_persons_label_reaches_the_reward_from_the_next_batch(tmp_path):
         value = again["next", "intrinsic_reward"].squeeze(-1)
         counts = again["msg_count"].double()
         torch.testing.assert_close(value[steps].double(), counts[steps] ** -3.0)
-        assert (value[~steps] == out["next", "intrinsic_reward"].squeeze(-1)[~steps]).all()
+        assert (value[~steps] == labelled["next", "intrinsic_reward"].squeeze(-1)[~steps]).all()
         # a late LLM answer cannot take it back
         assert hook.store.set_labels([welcome], [0.0], ScriptedAnnotator().provenance).tolist() == [False]
         metrics = hook.metrics()
