@@ -176,6 +176,13 @@ def test_training_survives_a_dead_actor_and_a_dead_node(cluster, tmp_path, caplo
                 node_id = collector.worker_nodes[1][0]
                 cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_id),
                                     allow_graceful=False)
+                # Ray learns of the death by health checks (seconds under load); worker 0 alone can
+                # finish the run before that, and then nobody is told. Wait until worker 1's
+                # outstanding request has failed, so the run goes on past the incident.
+                deadline = time.monotonic() + 60
+                while not any(idx == 1 and future.done() for future, (idx, _) in list(collector._pending.items())):
+                    assert time.monotonic() < deadline, "Ray never reported worker 1's node dead"
+                    time.sleep(0.1)
 
     faults = Faults()
     caplog.set_level(logging.WARNING, logger="torchrl_oni.train")
