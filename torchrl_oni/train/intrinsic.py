@@ -502,9 +502,13 @@ class IntrinsicRewardHook:
         balanced = metrics.get("reward_model/heldout_balanced_accuracy", float("nan"))
         if steps >= MIN_REWARD_MODEL_STEPS and not balanced <= CHANCE_BALANCED_ACCURACY:
             return []
-        held = f", held-out balanced accuracy {balanced:.2f}" if balanced == balanced else ""
-        return [f"the {self.kind} reward model trained only {steps:,} steps{held}: its reward is close to "
-                "noise. Give it time (--rm-time-fraction 0.5 or 0, a longer run) or a GPU learner (--device cuda)"]
+        held = f"held-out balanced accuracy {balanced:.2f}"
+        if steps < MIN_REWARD_MODEL_STEPS:
+            what = f"trained only {steps:,} steps" + ("" if np.isnan(balanced) else f", {held}")
+        else:  # enough steps, still at chance (a NaN accuracy returned above)
+            what = f"trained {steps:,} steps and is still at chance ({held})"
+        return [f"the {self.kind} reward model {what}: its reward is close to noise. Give it time "
+                "(--rm-time-fraction 0.5 or 0, a longer run) or a GPU learner (--device cuda)"]
 
     def _stateful(self) -> Dict[str, object]:
         objects = dict(self.parts.stateful or {})
