@@ -6,19 +6,62 @@ frames/s (the first 25 % of each run, process start-up included, is discarded) a
 fraction of the trainer's time spent waiting for collected data.
 
 Baseline in the same run: the same trainer with ONE game per worker, i.e. a straightforward
-TorchRL PPO where every TensorDict carries a single NetHack game.
+TorchRL PPO where every TensorDict carries a single NetHack game. With ``--baseline-code DIR``
+the baseline is instead the same configuration run by the package in DIR (e.g. ``git worktree
+add DIR HEAD~1``), in interleaved rounds: the regression guard for learner changes.
 
-Usage: ``python benchmarks/train_throughput.py --seconds 120 [--workers 2] [--envs 32]``
-Last line: one JSON object with ``fps``, ``collect_fraction``, ``baseline_fps``, ``ratio``.
+Also reported: the learner's time per stage (``torchrl_oni.train.timing``; host times on CUDA)
+and the share outside the loss's forward/backward, and the GPU's utilisation sampled once a
+second (``nvidia-smi``) when the learner is on CUDA.
+
+Usage: ``python benchmarks/train_throughput.py --seconds 120 [--workers 2] [--envs 32]
+[--frames-per-update 16k] [--acting server] [--baseline-code DIR --rounds 3]``
+Last line: one JSON object with ``fps``, ``collect_fraction``, ``baseline_fps``, ``ratio``,
+``stages`` and ``gpu_util``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+
+
+class _GPUUtilisation:
+    """Samples the GPU's utilisation (%) once a second with ``nvidia-smi`` while it runs."""
+
+    def __init__(self, device: str):
+        self.samples = []
+        self._stop = threading.Event()
+        index = device.split(":")[1] if ":" in device else "0"
+        self._cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", index]
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(1.0):
+            try:
+                out = subprocess.run(self._cmd, capture_output=True, text=True, timeout=5).stdout.strip()
+                self.samples.append(float(out.splitlines()[0]))
+            except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+                return  # no nvidia-smi: utilisation unknown
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def mean(self):
+        # the first samples are start-up; the same cut as the frames/s
+        steady = self.samples[len(self.samples) // 4:]
+        return round(statistics.fmean(steady), 1) if steady else None
 
 
 
@@ -42,32 +85,65 @@ class _TimeLimit:
             trainer.cfg.frames = trainer.frames
 
 
-def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light", device: str = "auto") -> dict:
+def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light", device: str = "auto",
+        frames_per_update=None, acting: str = "workers", minibatch_size=None) -> dict:
+    import torch
     from torchrl_oni.train import TrainConfig, Trainer
     from torchrl_oni.train.logging import read_metrics
 
     logdir = tempfile.mkdtemp(prefix="oni-bench-")
+    extra = {}
+    if frames_per_update:  # settings this version of the trainer may not have (--baseline-code)
+        extra["frames_per_update"] = frames_per_update
+    if acting != "workers":
+        extra["acting"] = acting
     cfg = TrainConfig(frames=10**9, workers=workers, envs_per_worker=envs, rollout=rollout, arch=arch, device=device,
                       logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9,
-                      minibatch_size=max(envs * rollout, 256))
+                      minibatch_size=minibatch_size or max(envs * rollout, 256), **extra)
     trainer = Trainer(cfg, hooks=[_TimeLimit(seconds)])
     t0 = time.perf_counter()
-    summary = trainer.train()
+    learner_device = str(trainer.device)
+    util = _GPUUtilisation(learner_device) if torch.device(learner_device).type == "cuda" else None
+    if util is not None:
+        with util:
+            summary = trainer.train()
+    else:
+        summary = trainer.train()
     wall = time.perf_counter() - t0
     rows = read_metrics(logdir)
     cut = rows[len(rows) // 4] if len(rows) >= 4 else rows[0]
     last = rows[-1]
     steady = (last["frames"] - cut["frames"]) / max(last["time_s"] - cut["time_s"], 1e-9)
+    stages = {k[len("learner/"):-len("_share")]: round(v, 4) for k, v in last.items()
+              if k.startswith("learner/") and k.endswith("_share") and k != "learner/outside_loss_share"}
     return {
         "fps": steady,
         "fps_incl_startup": summary["frames"] / wall,
         "collect_fraction": last["collect_fraction"],
         "frames": summary["frames"],
         "iterations": last["iteration"],
+        "stages": stages,
+        "outside_loss_share": last.get("learner/outside_loss_share"),
+        "gpu_util": util.mean() if util is not None else None,
+        "acting": {k: v for k, v in last.items() if k.startswith("acting/")},
     }
 
 
+def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
+    """The same measurement by the package in ``code_dir`` (a subprocess with it first on the path)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one-run", "--seconds", str(seconds), "--workers",
+           str(args.workers), "--envs", str(args.envs), "--rollout", str(args.rollout), "--arch", args.arch,
+           "--device", args.device]
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(code_dir) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=code_dir)
+    if out.returncode != 0:
+        raise SystemExit(f"train_throughput: error: the run with --baseline-code {code_dir} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None):
+    from torchrl_oni.config_tree import parse_count
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=120.0, help="total time budget (default 120)")
     p.add_argument("--workers", type=int, default=2)
@@ -75,22 +151,55 @@ def main(argv=None):
     p.add_argument("--rollout", type=int, default=32)
     p.add_argument("--arch", default="light", help="policy network: light, oni (GRU), oni-lstm")
     p.add_argument("--device", default="auto", help="learner device (auto: cuda when there is one)")
+    p.add_argument("--frames-per-update", type=parse_count, default=None,
+                   help="frames gathered per PPO update (default: one worker's batch)")
+    p.add_argument("--minibatch-size", type=parse_count, default=None,
+                   help="steps per PPO minibatch (default: one worker's batch, at least 256)")
+    p.add_argument("--acting", default="workers", choices=("workers", "server"),
+                   help="where the policy acts: env workers' CPUs or one inference server on the learner's device")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--baseline-code", metavar="DIR", default=None,
+                   help="baseline: the same configuration run by the package in DIR (interleaved rounds)")
+    p.add_argument("--rounds", type=int, default=1, help="with --baseline-code: rounds of (this, baseline)")
+    p.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)  # a --baseline-code subprocess
     args = p.parse_args(argv)
-    share = args.seconds if args.no_baseline else args.seconds * 0.65
-    main_run = run(share, args.workers, args.envs, args.rollout, args.arch, args.device)
-    rows = [(f"batched: {args.workers} workers x {args.envs} games", main_run)]
+    settings = dict(frames_per_update=args.frames_per_update, acting=args.acting, minibatch_size=args.minibatch_size)
+    if args.one_run:
+        print(json.dumps(run(args.seconds, args.workers, args.envs, args.rollout, args.arch, args.device)))
+        return 0
     base = None
-    if not args.no_baseline:
-        base = run(args.seconds - share, args.workers, 1, args.rollout, args.arch, args.device)
-        rows.append((f"baseline: {args.workers} workers x 1 game", base))
+    if args.baseline_code:
+        if not os.path.isdir(os.path.join(args.baseline_code, "torchrl_oni")):
+            p.error(f"--baseline-code {args.baseline_code}: no torchrl_oni package there")
+        share = args.seconds / (2 * args.rounds)
+        mine, theirs = [], []
+        for _ in range(args.rounds):
+            mine.append(run(share, args.workers, args.envs, args.rollout, args.arch, args.device, **settings))
+            theirs.append(_run_elsewhere(args.baseline_code, args, share))
+        main_run = sorted(mine, key=lambda r: r["fps"])[len(mine) // 2]  # the median round
+        base = sorted(theirs, key=lambda r: r["fps"])[len(theirs) // 2]
+        rows = [(f"this code: {args.workers} workers x {args.envs} games", main_run),
+                (f"--baseline-code {os.path.basename(os.path.abspath(args.baseline_code))}", base)]
+    else:
+        share = args.seconds if args.no_baseline else args.seconds * 0.65
+        main_run = run(share, args.workers, args.envs, args.rollout, args.arch, args.device, **settings)
+        rows = [(f"batched: {args.workers} workers x {args.envs} games", main_run)]
+        if not args.no_baseline:
+            base = run(args.seconds - share, args.workers, 1, args.rollout, args.arch, args.device)
+            rows.append((f"baseline: {args.workers} workers x 1 game", base))
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    print(f"\nPPO end to end, {args.arch} policy, {os.cpu_count()} cores, learner on {device}, rollout {args.rollout}")
-    print(f"{'configuration':<40} {'frames/s':>10} {'incl. start':>12} {'waiting for data':>17}")
+    print(f"\nPPO end to end, {args.arch} policy, {os.cpu_count()} cores, learner on {device}, rollout {args.rollout}, "
+          f"acting on {args.acting}, {args.frames_per_update or args.envs * args.rollout} frames per update")
+    print(f"{'configuration':<40} {'frames/s':>10} {'incl. start':>12} {'waiting for data':>17} {'GPU busy':>9}")
     for name, r in rows:
-        print(f"{name:<40} {r['fps']:>10,.0f} {r['fps_incl_startup']:>12,.0f} {r['collect_fraction']:>17.0%}")
+        util = "" if r.get("gpu_util") is None else f"{r['gpu_util']:.0f} %"
+        print(f"{name:<40} {r['fps']:>10,.0f} {r['fps_incl_startup']:>12,.0f} {r['collect_fraction']:>17.0%} {util:>9}")
+    if main_run["stages"]:
+        print("learner's time per stage (this code): " + ", ".join(
+            f"{k} {v:.0%}" for k, v in sorted(main_run["stages"].items(), key=lambda kv: -kv[1]) if v >= 0.005)
+            + f"; outside the loss's forward/backward {main_run['outside_loss_share']:.0%}")
     out = {
         "fps": round(main_run["fps"]),
         "collect_fraction": round(main_run["collect_fraction"], 3),
@@ -98,11 +207,19 @@ def main(argv=None):
         "workers": args.workers,
         "envs_per_worker": args.envs,
         "arch": args.arch,
+        "acting": args.acting,
+        "frames_per_update": args.frames_per_update or args.envs * args.rollout,
         "fps_per_core": round(main_run["fps"] / (os.cpu_count() or 1)),
+        "outside_loss_share": main_run["outside_loss_share"] and round(main_run["outside_loss_share"], 3),
+        "stages": main_run["stages"],
+        "gpu_util": main_run["gpu_util"],
     }
+    if args.baseline_code:
+        out["rounds_fps"] = [round(r["fps"]) for r in mine]
+        out["rounds_baseline_fps"] = [round(r["fps"]) for r in theirs]
     if base:
         out["baseline_fps"] = round(base["fps"])
-        out["ratio"] = round(main_run["fps"] / max(base["fps"], 1e-9), 2)
+        out["ratio"] = round(main_run["fps"] / max(base["fps"], 1e-9), 3)
     print(json.dumps(out))
     return 0
 

@@ -99,6 +99,9 @@ class PPOConfig:
     max_grad_norm: float = setting(4.0, "gradient norm clip")
     minibatch_size: int = setting(1024, "steps per PPO minibatch")
     ppo_epochs: int = setting(1, "passes over each collected batch")
+    frames_per_update: Optional[int] = setting(
+        None, "frames per PPO update: workers' batches (envs-per-worker × rollout each) are gathered until this "
+        "many, e.g. 16k on a GPU node (none: one batch per update)", parse=parse_count)
 
 
 @dataclass
@@ -236,6 +239,9 @@ class TrainConfig:
     frames: int = setting(300_000, "total env frames, e.g. 3e5, 300k or 2M", parse=parse_count)
     seed: int = setting(0, "random seed (games, networks, sampling)")
     device: str = setting("auto", "learner device: auto, cpu, cuda, cuda:1 (env workers always run on CPU)")
+    acting: Literal["workers", "server"] = setting(
+        "workers", "where the policy acts: workers (each env worker runs a CPU copy on its games) or server (one "
+        "inference server runs it for all workers' games at once on the learner's device: for GPU nodes)")
     env: EnvConfig = field(default_factory=EnvConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)  # type: ignore[valid-type]
@@ -250,6 +256,11 @@ class TrainConfig:
     def frames_per_batch(self) -> int:
         """Frames in one collected batch (one worker's K games × rollout steps)."""
         return self.env.envs_per_worker * self.env.rollout
+
+    @property
+    def frames_per_update(self) -> int:
+        """Frames in one PPO update (``--frames-per-update``, or one collected batch)."""
+        return self.ppo.frames_per_update or self.frames_per_batch
 
     @property
     def logdir(self) -> str:
@@ -309,6 +320,12 @@ class TrainConfig:
             (0 <= ppo.gae_lambda <= 1, "--gae-lambda must be in [0, 1]"),
             (ppo.minibatch_size >= 1, "--minibatch-size must be at least 1"),
             (ppo.ppo_epochs >= 1, "--ppo-epochs must be at least 1"),
+            (ppo.frames_per_update is None or (ppo.frames_per_update >= self.frames_per_batch
+                                               and ppo.frames_per_update % self.frames_per_batch == 0),
+             f"--frames-per-update ({ppo.frames_per_update}) must be a multiple of one batch "
+             f"(envs-per-worker × rollout = {self.frames_per_batch})"),
+            (self.acting == "workers" or self.distributed.backend == "local",
+             "--acting server needs --backend local (Ray actors act on their own CPUs)"),
             (self.log.checkpoint_every > 0, "--checkpoint-every must be positive"),
             (self.log.log_every >= 1 and self.log.stats_window >= 1, "--log-every and --stats-window must be at least 1"),
             (reward.extrinsic_clip >= 0, "--extrinsic-clip must be non-negative (0: no clip)"),

@@ -472,6 +472,8 @@ def make_collector(
     """
     check_backend(backend, ray_address)
     if backend == "local":
+        from torchrl.weight_update import SharedMemWeightSyncScheme
+
         return MultiAsyncCollector(
             list(env_factories),
             policy,
@@ -481,6 +483,10 @@ def make_collector(
             storing_device="cpu",
             split_trajs=False,
             num_sub_threads=1,
+            # the learner does not wait for every worker to acknowledge new weights (waiting cost
+            # 7 ms an update of 36 ms, light policy on 2 cores); each worker's background thread
+            # copies them into its policy when it reads the instruction, as it did before
+            weight_sync_schemes={"policy": SharedMemWeightSyncScheme(sync=False)},
         )
     return _make_ray_collector(env_factories, policy, frames_per_batch, total_frames, ray_address,
                                num_cpus_per_actor, max_restarts, object_store_memory, worker_timeout)

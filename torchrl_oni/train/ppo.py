@@ -240,35 +240,17 @@ class Trainer:
         self.actor.to(self.device)
         self.critic.to(self.device)
 
-        from torchrl.objectives import ClipPPOLoss
-        from torchrl.objectives.value import GAE
+        from .learner import PPOLearner
+        from .timing import StageClock
 
-        def gae(suffix=""):
-            estimator = GAE(gamma=cfg.ppo.gamma, lmbda=cfg.ppo.gae_lambda, value_network=self.critic,
-                            average_gae=False, deactivate_vmap=self.recurrent)
-            if suffix:
-                estimator.set_keys(reward="reward" + suffix, value="state_value" + suffix,
-                                   advantage="advantage" + suffix, value_target="value_target" + suffix)
-            return estimator
-
-        if self.value_heads == 1:
-            self.advantages = [gae()]
-        else:
-            # one value head and one GAE per reward stream; PPO sees the sum of the advantages
-            self.advantages = [gae("_ext"), gae("_int")]
-        self.loss = ClipPPOLoss(
-            self.actor,
-            self.critic if self.value_heads == 1 else None,
-            clip_epsilon=cfg.ppo.clip_epsilon,
-            entropy_coeff=cfg.ppo.entropy_coeff,
-            critic_coeff=cfg.ppo.critic_coeff if self.value_heads == 1 else None,
-            normalize_advantage=True,
-            loss_critic_type="smooth_l1",
-        )
-        self.params = list(self.loss.parameters())
-        if self.value_heads == 2:
-            self.params += list(self.critic.parameters())
-        self.optimizer = torch.optim.Adam(self.params, lr=cfg.ppo.lr, eps=1e-6)
+        self.clock = StageClock()
+        self.learner = PPOLearner(self.actor, self.critic, cfg.ppo, self.device, recurrent=self.recurrent,
+                                  value_heads=self.value_heads, clock=self.clock,
+                                  fast_values=True)
+        # the learner's parts, reachable as before (hooks train with the trainer's optimiser)
+        self.advantages, self.loss = self.learner.advantages, self.learner.loss
+        self.params, self.optimizer = self.learner.params, self.learner.optimizer
+        self.server = None  # the inference server when the policy acts on the learner's device
         self.frames = 0
         self.iterations = 0
         self.episodes = EpisodeWindow(cfg.log.stats_window)
@@ -339,6 +321,13 @@ class Trainer:
             import copy
 
             policy = copy.deepcopy(self.actor).cpu()  # workers act on CPU; weights synced below
+        worker_policies = None
+        if cfg.acting == "server":
+            from .acting import PolicyServer
+
+            # one copy of the policy on the learner's device answers every worker's games
+            self.server = PolicyServer(self.actor, device=self.device, num_workers=cfg.env.workers)
+            worker_policies = self.server.worker_policies()
         dist = cfg.distributed
         # kept on the trainer so that hooks can reach it (worker placement, fault tests)
         self.collector = make_collector(
@@ -350,6 +339,7 @@ class Trainer:
             ray_address=dist.ray_address,
             num_cpus_per_actor=dist.ray_num_cpus_per_actor,
             max_restarts=dist.ray_max_restarts,
+            **({"worker_policies": worker_policies} if worker_policies is not None else {}),
         )
         return self.collector
 
@@ -365,54 +355,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ learning
     def _ppo_update(self, batch: TensorDictBase) -> Dict[str, float]:
-        cfg = self.cfg
-        batch = batch.to(self.device)
-        ctx = contextlib.nullcontext()
-        if self.recurrent:
-            from torchrl.modules import set_recurrent_mode
-
-            ctx = set_recurrent_mode(True)
-        stats: Dict[str, List[float]] = {}
-        with ctx:
-            with torch.no_grad():
-                for estimator in self.advantages:
-                    estimator(batch)
-                if self.value_heads == 2:
-                    batch.set("advantage", batch.get("advantage_ext") + batch.get("advantage_int"))
-            if self.recurrent:
-                flat = batch  # [K, T]: minibatches of whole trajectories
-                n_items, per_item = batch.shape[0], batch.shape[1]
-                mb_items = max(1, cfg.ppo.minibatch_size // per_item)
-            else:
-                flat = batch.reshape(-1)
-                n_items, mb_items = flat.shape[0], min(cfg.ppo.minibatch_size, flat.shape[0])
-            for _ in range(cfg.ppo.ppo_epochs):
-                perm = torch.randperm(n_items, device=self.device)
-                for start in range(0, n_items, mb_items):
-                    idx = perm[start : start + mb_items]
-                    minibatch = flat[idx]
-                    losses = self.loss(minibatch)
-                    if self.value_heads == 2:
-                        losses.set("loss_critic", self._two_head_critic_loss(minibatch))
-                    total = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
-                    self.optimizer.zero_grad(set_to_none=True)
-                    total.backward()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.ppo.max_grad_norm)
-                    self.optimizer.step()
-                    for k in ("loss_objective", "loss_critic", "loss_entropy", "entropy", "kl_approx", "clip_fraction"):
-                        if k in losses.keys():
-                            stats.setdefault(k, []).append(float(losses[k].detach().mean()))
-                    stats.setdefault("grad_norm", []).append(float(grad_norm))
-        return {f"train/{k}": float(np.mean(v)) for k, v in stats.items()}
-
-    def _two_head_critic_loss(self, minibatch: TensorDictBase) -> torch.Tensor:
-        """Smooth-L1 of each value head against its own GAE target, weighted like PPO's."""
-        values = self.critic(minibatch.select(*self.critic.in_keys, strict=False).copy())
-        loss = 0.0
-        for suffix in ("_ext", "_int"):
-            loss = loss + torch.nn.functional.smooth_l1_loss(
-                values.get("state_value" + suffix), minibatch.get("value_target" + suffix))
-        return self.cfg.ppo.critic_coeff * loss
+        return self.learner.update(batch)
 
     def _episode_stats(self, batch: TensorDictBase) -> int:
         done = batch.get(("next", "done")).reshape(batch.shape)
@@ -467,28 +410,45 @@ class Trainer:
             t_start = time.perf_counter()
             t_wait = time.perf_counter()
             elapsed_before = self._elapsed_s
+            clock = self.clock
+            pending: List[TensorDictBase] = []  # batches gathered for the next update
             for batch in collector:
                 t_got = time.perf_counter()
+                clock.add("wait", t_got - t_wait)
                 self.time_collect += t_got - t_wait
                 n = batch.numel()
                 self.frames += n
-                self._episode_stats(batch)
-                for transform in self.batch_transforms:
-                    batch = transform(batch)
-                for hook in self.hooks:
-                    if hasattr(hook, "on_batch"):
-                        batch = hook.on_batch(batch, self)
+                with clock("log"):
+                    self._episode_stats(batch)
+                with clock("hooks"):
+                    for transform in self.batch_transforms:
+                        batch = transform(batch)
+                    for hook in self.hooks:
+                        if hasattr(hook, "on_batch"):
+                            batch = hook.on_batch(batch, self)
+                if bar is not None:
+                    bar.update(n)
+                pending.append(batch)
+                if sum(b.numel() for b in pending) < cfg.frames_per_update and self.frames < cfg.frames:
+                    t_wait = time.perf_counter()
+                    self.time_learn += t_wait - t_got
+                    continue
+                with clock("gather"):
+                    batch = pending[0] if len(pending) == 1 else torch.cat(pending, 0)
+                    pending = []
                 intrinsic = batch.get(("next", "intrinsic_reward"), None)
-                self.shape_reward(batch)
+                with clock("reward"):
+                    self.shape_reward(batch)
                 train_stats = self._ppo_update(batch)
                 self.iterations += 1
-                for hook in self.hooks:
-                    if hasattr(hook, "after_update"):
-                        hook.after_update(self)
-                collector.update_policy_weights_(self._cpu_weights())
-                t_wait = time.perf_counter()
-                self.time_learn += t_wait - t_got
-                elapsed = t_wait - t_start
+                with clock("after_update"):
+                    for hook in self.hooks:
+                        if hasattr(hook, "after_update"):
+                            hook.after_update(self)
+                with clock("weights"):
+                    self._send_weights(collector)
+                t_log = time.perf_counter()
+                elapsed = t_log - t_start
                 self._elapsed_s = elapsed_before + elapsed
                 fps = (self.frames - self._start_frames) / max(elapsed, 1e-9)
                 metrics = {
@@ -502,7 +462,10 @@ class Trainer:
                     "reward/shaped_mean": float(batch.get(("next", "reward")).mean()),
                     **train_stats,
                     **self.episodes.means(),
+                    **clock.metrics(),
                 }
+                if self.server is not None:
+                    metrics.update(self.server.metrics())
                 if intrinsic is not None:
                     metrics["reward/intrinsic_mean"] = float(intrinsic.float().mean())
                     metrics["reward/intrinsic_nonzero"] = float((intrinsic != 0).float().mean())
@@ -516,17 +479,21 @@ class Trainer:
                     if line:
                         _warn(line, bar)
                 if bar is not None:
-                    bar.update(n)
                     bar.set_postfix(_progress_fields(fps, metrics), refresh=False)
                 if self.frames >= next_checkpoint:
                     self.save()
                     next_checkpoint += cfg.log.checkpoint_every
+                t_wait = time.perf_counter()
+                clock.add("log", t_wait - t_log)
+                self.time_learn += t_wait - t_got
                 if self.frames >= cfg.frames:
                     break
         finally:
             stopping.saving = True
             if collector is not None:
                 collector.shutdown()
+            if self.server is not None:
+                self.server.shutdown()
             if bar is not None:
                 bar.close()
             # hooks first: labels that land while the annotation worker drains are counted
@@ -557,8 +524,13 @@ class Trainer:
             if hasattr(hook, "close"):
                 hook.close()
 
-    def _cpu_weights(self):
+    def _send_weights(self, collector) -> None:
+        """Fresh weights to whatever acts: the inference server (on the learner's device, in
+        place) or the env workers' CPU copies (through the collector)."""
         from tensordict import TensorDict
 
         weights = TensorDict.from_module(self.actor)
-        return weights if self.device.type == "cpu" else weights.to("cpu")
+        if self.server is not None:
+            self.server.update_weights(weights)
+            return
+        collector.update_policy_weights_(weights if self.device.type == "cpu" else weights.to("cpu"))
