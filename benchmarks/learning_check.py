@@ -173,6 +173,10 @@ def main(argv=None):
     p.add_argument("--goal-seconds", type=float, default=900.0,
                    help="ELLM: longest wait for the goals of evaluation states new to the goal table")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--frames-per-update", type=int, default=None,
+                   help="frames gathered per PPO update (default: one worker's batch)")
+    p.add_argument("--acting", choices=["workers", "server"], default="workers",
+                   help="where the policy acts: env workers' CPUs or one inference server")
     args = p.parse_args(argv)
     ellm = args.intrinsic_reward == "ellm"
 
@@ -186,7 +190,8 @@ def main(argv=None):
     cfg = TrainConfig(task="score", frames=args.frames, workers=args.workers, envs_per_worker=args.envs_per_worker,
                       seed=args.seed, logdir=logdir, intrinsic_reward=args.intrinsic_reward, extrinsic_coeff=0.0,
                       intrinsic_coeff=args.intrinsic_coeff, annotator=args.annotator, llm_model=args.llm_model,
-                      llm_url=args.llm_url, progress=True, tensorboard=False)
+                      llm_url=args.llm_url, progress=True, tensorboard=False,
+                      frames_per_update=args.frames_per_update, acting=args.acting)
     t0 = time.perf_counter()
     hooks = build_intrinsic_hooks(cfg)
     trainer = Trainer(cfg, hooks=hooks)
@@ -257,7 +262,7 @@ def main(argv=None):
     print(f"captions judged: {len(hashes)} ({missing} could not be labelled: counted as not approved); run folder {logdir}")
     result = {
         "frames": int(summary["frames"]), "train_s": round(train_s), "annotator": args.annotator,
-        "intrinsic_reward": args.intrinsic_reward,
+        "intrinsic_reward": args.intrinsic_reward, "frames_per_update": cfg.frames_per_update, "acting": args.acting,
         "approved_per_episode_trained": round(tr_ep, 3), "approved_per_episode_random": round(rd_ep, 3),
         "approved_per_1k_steps_trained": round(tr_k, 3), "approved_per_1k_steps_random": round(rd_k, 3),
         "ratio": round(tr_ep / max(rd_ep, 1e-9), 3), "unlabelled_captions": int(missing),

@@ -199,3 +199,41 @@ def test_frames_per_update_must_be_whole_batches():
         TrainConfig(envs_per_worker=4, rollout=32, frames_per_update=200).validate()
     with pytest.raises(ValueError, match="--backend local"):
         TrainConfig(acting="server", backend="ray").validate()
+
+
+@pytest.mark.slow
+def test_trainer_acts_through_the_policy_server(tmp_path):
+    """--acting server: the workers' games are answered by one served copy of the policy, the
+    served copy follows the learner's weights, and the run logs how the server batches."""
+    from torchrl_oni.train.logging import read_metrics
+
+    cfg = TrainConfig(frames=6 * 256, workers=2, envs_per_worker=8, rollout=32, acting="server",
+                      minibatch_size=256, logdir=str(tmp_path), progress=False, tensorboard=False)
+    trainer = Trainer(cfg)
+    summary = trainer.train()
+    assert summary["frames"] == 6 * 256
+    row = read_metrics(str(tmp_path))[-1]
+    assert row["acting/requests"] > 0 and row["acting/mean_batch_games"] >= 8
+    served = dict(trainer.server.model.actor.named_parameters())  # holds the weights of the last update
+    for name, p in trainer.actor.named_parameters():
+        torch.testing.assert_close(served[name].cpu(), p.detach().cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("arch", ["light", "oni"])
+def test_cuda_update_equals_cpu_update(arch):
+    """The learner on CUDA (pinned, non-blocking transfer; statistics read once) computes what it
+    computes on the CPU, from a CPU batch as the trainer hands it over."""
+    actor, critic, batch = _rollout(arch)
+    ppo = PPOConfig(minibatch_size=batch.numel(), ppo_epochs=1, lr=1e-3)
+    recurrent = arch != "light"
+    cpu = PPOLearner(copy.deepcopy(actor), copy.deepcopy(critic), ppo, torch.device("cpu"), recurrent=recurrent)
+    gpu = PPOLearner(copy.deepcopy(actor).cuda(), copy.deepcopy(critic).cuda(), ppo, torch.device("cuda"),
+                     recurrent=recurrent)
+    a, b = batch.clone(), batch.clone()
+    stats_cpu, stats_gpu = cpu.update(a), gpu.update(b)
+    for key in stats_cpu:
+        assert stats_gpu[key] == pytest.approx(stats_cpu[key], rel=2e-3, abs=1e-4), key
+    for p, q in zip(cpu.params, gpu.params):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-3, atol=2 * ppo.lr)

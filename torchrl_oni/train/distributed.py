@@ -17,6 +17,11 @@ Contract, the same for both (what the trainer relies on):
   not wait for the workers;
 * ``collector.shutdown()``: stops the workers (and the Ray instance the run started).
 
+With ``worker_policies`` (``"local"`` only) the workers act through a
+:class:`~torchrl_oni.train.acting.PolicyServer` on the learner's device instead of their own CPU
+copies: the weights live on the server (``server.update_weights``), and the collector's
+``update_policy_weights_`` does nothing.
+
 What the Ray backend adds on top of ``RayCollector`` (TorchRL 0.14.1), and why:
 
 * **weights through the object store** (:class:`ObjectStoreWeightSyncScheme`, a TorchRL
@@ -76,6 +81,7 @@ __all__ = [
     "BACKENDS",
     "ObjectStoreWeightSyncScheme",
     "RayEnvCollector",
+    "ServedPolicyCollector",
     "check_backend",
     "make_collector",
     "ray_init_kwargs",
@@ -434,6 +440,28 @@ class RayEnvCollector(RayCollector):
             self._runtime_lease.release()
 
 
+# ---------------------------------------------------------------------------------- served acting
+class _Given:
+    """Policy factory returning a given policy (a PolicyServer's worker policy), for ``policy_factory``."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self):
+        return self.policy
+
+
+class ServedPolicyCollector(MultiAsyncCollector):
+    """``MultiAsyncCollector`` whose workers act through a :class:`~torchrl_oni.train.acting.PolicyServer`.
+
+    Each worker's policy is a client of the server. The weights live on the server, so
+    :meth:`update_policy_weights_` does nothing: call ``server.update_weights`` instead.
+    """
+
+    def update_policy_weights_(self, *args, **kwargs) -> None:
+        return None
+
+
 # ---------------------------------------------------------------------------------- builder
 def make_collector(
     backend: str,
@@ -447,6 +475,8 @@ def make_collector(
     max_restarts: int = 3,
     object_store_memory: int = DEFAULT_OBJECT_STORE_MEMORY,
     worker_timeout: float = 600.0,
+    worker_policies: Optional[Sequence[torch.nn.Module]] = None,
+    exploration_type=None,
 ):
     """The trainer's collector: one env worker per factory, here or on a Ray cluster.
 
@@ -455,7 +485,7 @@ def make_collector(
             Ray actor per factory, anywhere in the cluster).
         env_factories: picklable callables returning a batched env of K games (one per worker).
         policy: the acting policy (a CPU module); with ``"ray"`` only its architecture travels,
-            its weights are the first update.
+            its weights are the first update; unused with ``worker_policies``.
         frames_per_batch: frames of one worker's batch (K × rollout).
         total_frames: the iterator stops after this many frames.
         ray_address: ``None`` starts a Ray instance on this machine for the run (stopped by
@@ -465,24 +495,40 @@ def make_collector(
         object_store_memory: bytes of object store of a Ray instance started for the run.
         worker_timeout: seconds without any batch before the run fails (every worker dead or
             unplaceable).
+        worker_policies: one policy per factory, used by that worker instead of a copy of
+            ``policy`` (``"local"`` only): :meth:`PolicyServer.worker_policies()
+            <torchrl_oni.train.acting.PolicyServer.worker_policies>`, whose server acts for all
+            workers on the learner's device. The weights then live on the server: update them
+            with ``server.update_weights``; the collector's ``update_policy_weights_`` does
+            nothing (it may still be called).
+        exploration_type: the workers' interaction type (``None``: TorchRL's default, RANDOM);
+            ``ExplorationType.DETERMINISTIC`` acts greedily (``"local"`` only).
 
     Returns:
         ``MultiAsyncCollector`` or :class:`RayEnvCollector`: iterate it, call
         ``update_policy_weights_(weights)`` after each update, ``shutdown()`` at the end.
     """
+    if backend != "local" and (worker_policies is not None or exploration_type is not None):
+        what = "a PolicyServer's worker policies" if worker_policies is not None else "exploration_type"
+        raise ValueError(f"{what} needs --backend local: Ray actors cannot reach a server in this process")
     check_backend(backend, ray_address)
     if backend == "local":
         from torchrl.weight_update import SharedMemWeightSyncScheme
 
+        common = dict(frames_per_batch=frames_per_batch, total_frames=total_frames, device="cpu",
+                      storing_device="cpu", split_trajs=False, num_sub_threads=1)
+        if exploration_type is not None:
+            common["exploration_type"] = exploration_type
+        if worker_policies is not None:
+            worker_policies = list(worker_policies)
+            if len(worker_policies) != len(env_factories):
+                raise ValueError(f"{len(worker_policies)} worker policies for {len(env_factories)} env workers")
+            return ServedPolicyCollector(list(env_factories), policy_factory=[_Given(p) for p in worker_policies],
+                                         **common)
         return MultiAsyncCollector(
             list(env_factories),
             policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            device="cpu",
-            storing_device="cpu",
-            split_trajs=False,
-            num_sub_threads=1,
+            **common,
             # the learner does not wait for every worker to acknowledge new weights (waiting cost
             # 7 ms an update of 36 ms, light policy on 2 cores); each worker's background thread
             # copies them into its policy when it reads the instruction, as it did before

@@ -123,9 +123,13 @@ class PPOLearner:
 
         # one GAE per value head; with two heads PPO sees the sum of the advantages
         self.advantages = [gae(s) for s in self.suffixes]
+        from .policy import loss_critic
+
+        # a critic sharing the actor's trunk runs only its head in the loss (the trunk once)
+        self.loss_critic = loss_critic(actor, critic)
         self.loss = ClipPPOLoss(
             actor,
-            critic if value_heads == 1 else None,
+            self.loss_critic if value_heads == 1 else None,
             clip_epsilon=ppo.clip_epsilon,
             entropy_coeff=ppo.entropy_coeff,
             critic_coeff=ppo.critic_coeff if value_heads == 1 else None,
@@ -215,7 +219,7 @@ class PPOLearner:
 
     def _two_head_critic_loss(self, minibatch: TensorDictBase) -> torch.Tensor:
         """Smooth-L1 of each value head against its own GAE target, weighted like PPO's."""
-        values = self.critic(minibatch.select(*self.critic.in_keys, strict=False).copy())
+        values = self.critic(minibatch.select(*self.critic.in_keys, strict=False).copy())  # whole critic: no actor pass here
         loss = 0.0
         for suffix in self.suffixes:
             loss = loss + torch.nn.functional.smooth_l1_loss(

@@ -45,7 +45,7 @@ from torchrl.modules import GRUModule, LSTMModule, ProbabilisticActor
 from ..captions import GOAL_EMBEDDING_KEY
 from ..envs.batched import OFF_MAP_GLYPH
 
-__all__ = ["ARCHS", "BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "POLICY_IN_KEYS"]
+__all__ = ["ARCHS", "BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "loss_critic", "POLICY_IN_KEYS"]
 
 POLICY_IN_KEYS = ["crop", "blstats", "message"]
 RECURRENT_ARCHS = ("oni", "oni-lstm")
@@ -226,6 +226,24 @@ def make_actor_critic(
         )
         return actor, critic
     raise ValueError(f"unknown policy architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+
+
+def loss_critic(actor, critic):
+    """The critic the PPO loss should run: for networks whose actor and critic share a trunk
+    (``oni``, ``oni-lstm``), only the value head, reading the trunk's output ``core`` that the
+    actor's pass of the loss has just written; otherwise the critic itself.
+
+    ``ClipPPOLoss`` runs the actor, then the critic, on each minibatch: with the whole critic the
+    shared encoder and recurrent core (most of the network's cost) would run twice. Gradients
+    reach the trunk through the actor's pass either way (``tests/test_learner.py`` compares
+    losses and weights with the whole-critic path).
+    """
+    actor_body = actor.module[0] if isinstance(actor.module, nn.ModuleList) else None
+    if not isinstance(actor_body, TensorDictSequential) or not isinstance(critic, TensorDictSequential):
+        return critic
+    if critic.module[0] is not actor_body.module[0]:
+        return critic  # no trunk in common
+    return TensorDictSequential(*critic.module[1:])
 
 
 def recurrent_primer(actor):

@@ -326,7 +326,8 @@ class Trainer:
             from .acting import PolicyServer
 
             # one copy of the policy on the learner's device answers every worker's games
-            self.server = PolicyServer(self.actor, device=self.device, num_workers=cfg.env.workers)
+            self.server = PolicyServer(self.actor, device=self.device, num_workers=cfg.env.workers,
+                                       example=factories[0])
             worker_policies = self.server.worker_policies()
         dist = cfg.distributed
         # kept on the trainer so that hooks can reach it (worker placement, fault tests)

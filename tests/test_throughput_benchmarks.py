@@ -1,0 +1,49 @@
+"""Seconds-long runs of the throughput benchmarks, so that a refactor cannot leave them crashing:
+each must end with its JSON line and the fields BENCHMARKS.md quotes."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _last_json(args, timeout=240):
+    out = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
+
+
+def test_learner_throughput_smoke():
+    result, table = _last_json([BENCH / "learner_throughput.py", "--seconds", "0.5", "--threads", "1",
+                                "--frames-per-update", "256", "512", "--minibatch-size", "128"])
+    assert "frames/s" in table and "GAE path" in table
+    rows = result["results"]
+    assert [(r["frames_per_update"], r["fast_values"]) for r in rows] == [(256, True), (256, False), (512, True)]
+    for r in rows:
+        assert r["fps"] > 0 and 0 < r["outside_loss_share"] < 1
+        assert {"gae", "forward", "backward", "optimizer"} <= set(r["shares"])
+    assert result["ratio"] > 0
+
+
+def test_learner_throughput_refuses_missing_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = subprocess.run([sys.executable, BENCH / "learner_throughput.py", "--device", "cuda"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "CUDA is not available" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_train_throughput_smoke():
+    result, table = _last_json([BENCH / "train_throughput.py", "--seconds", "12", "--workers", "1", "--envs", "4",
+                                "--frames-per-update", "256", "--no-baseline"])
+    assert result["fps"] > 0 and result["frames_per_update"] == 256
+    assert {"gae", "forward", "backward", "weights"} <= set(result["stages"])
+    assert 0 < result["outside_loss_share"] < 1
+    assert result["gpu_util"] is None  # no GPU here: unknown, never a made-up figure
+    assert "learner's time per stage" in table
