@@ -113,7 +113,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .checkpoint import CheckpointError
     from .intrinsic import build_intrinsic_hooks
     from .logging import MetricsFileError
-    from .ppo import Trainer, TrainingStopped
+    from .ppo import EnvWorkerError, Trainer, TrainingStopped
 
     hooks: list = []
     try:
@@ -132,6 +132,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 128 + stop.signum
     except MetricsFileError as err:  # found before any training step (the hooks are closed by then)
         fail(PROG, str(err))
+    except EnvWorkerError as err:  # workers that cannot start, or kept dying (checkpoint saved)
+        fail(PROG, f"{err}; the checkpoint is saved, continue with: {PROG} --resume --logdir {trainer.run_dir}"
+             if trainer.frames else str(err), code=1)
     except (ConnectionError, TimeoutError) as err:  # a Ray cluster gone, every env worker dead
         fail(PROG, f"training stopped: {err}; the checkpoint is saved, continue with --resume", code=1)
     except OSError as err:  # disk full while checkpointing, logdir gone: the last good checkpoint stays

@@ -202,6 +202,9 @@ class DistributedConfig:
                                             "process per core)")
     ray_max_restarts: int = setting(3, "times Ray restarts a dead env worker actor before the run goes on without it "
                                     "(-1: without limit)")
+    worker_restarts: int = setting(3, "--backend local: times the env worker processes are restarted (from the "
+                                   "current weights) after one of them dies; then the run stops with its checkpoint "
+                                   "saved")
 
 
 def _reward_sections():
@@ -339,6 +342,7 @@ class TrainConfig:
             (rm.time_fraction is None or rm.time_fraction >= 0, "--rm-time-fraction must be non-negative (0: no cap)"),
             (self.distributed.ray_num_cpus_per_actor > 0, "--ray-num-cpus-per-actor must be positive"),
             (self.distributed.ray_max_restarts >= -1, "--ray-max-restarts must be -1 (no limit) or more"),
+            (self.distributed.worker_restarts >= 0, "--worker-restarts must be non-negative"),
             (rm.ensemble >= 1, "--rm-ensemble must be at least 1"),
             (rm.surf_tau == 0 or 0.5 < rm.surf_tau <= 1, "--rm-surf-tau must be in (0.5, 1] (0: SURF off)"),
             (rm.surf_lambda >= 0, "--rm-surf-lambda must be non-negative"),

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -46,7 +47,7 @@ from .config import CONFIG_NAME, TrainConfig
 from .logging import EpisodeWindow, RunLogger
 from .policy import RECURRENT_ARCHS, make_actor_critic, recurrent_primer
 
-__all__ = ["Trainer", "TrainHook", "TrainingStopped", "EnvFactory", "make_env_factory", "resolve_device", "write_config"]
+__all__ = ["Trainer", "TrainHook", "TrainingStopped", "EnvWorkerError", "EnvFactory", "make_env_factory", "resolve_device", "write_config"]
 
 log = logging.getLogger("torchrl_oni.train")
 
@@ -60,6 +61,25 @@ class TrainingStopped(KeyboardInterrupt):
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class EnvWorkerError(RuntimeError):
+    """The env workers could not start, or kept dying (the checkpoint is saved)."""
+
+
+def _worker_death(err: BaseException) -> Optional[str]:
+    """What TorchRL's collector says when a worker process is gone ("At least one process failed:
+    worker 1 (exit code -9)"), in words; None for any other error."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or "process failed" not in text:
+        return None
+    detail = text.split(":", 1)[-1].split(". Check")[0].strip().rstrip(".")
+    code = re.search(r"exit code (-?\d+)", detail)
+    if code and int(code.group(1)) < 0:
+        sig = -int(code.group(1))
+        name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
+        detail += f": killed by {name}" + (", e.g. by the out-of-memory killer" if sig == signal.SIGKILL else "")
+    return detail
 
 
 class _StopState:
@@ -251,6 +271,7 @@ class Trainer:
         self.advantages, self.loss = self.learner.advantages, self.learner.loss
         self.params, self.optimizer = self.learner.params, self.learner.optimizer
         self.server = None  # the inference server when the policy acts on the learner's device
+        self.collector = None  # the env workers' collector of the running train()
         self.frames = 0
         self.iterations = 0
         self.episodes = EpisodeWindow(cfg.log.stats_window)
@@ -325,9 +346,10 @@ class Trainer:
         if cfg.acting == "server":
             from .acting import PolicyServer
 
-            # one copy of the policy on the learner's device answers every worker's games
-            self.server = PolicyServer(self.actor, device=self.device, num_workers=cfg.env.workers,
-                                       example=factories[0])
+            if self.server is None:  # one per run: restarted workers reach the same server
+                # one copy of the policy on the learner's device answers every worker's games
+                self.server = PolicyServer(self.actor, device=self.device, num_workers=cfg.env.workers,
+                                           example=factories[0])
             worker_policies = self.server.worker_policies()
         dist = cfg.distributed
         # kept on the trainer so that hooks can reach it (worker placement, fault tests)
@@ -343,6 +365,38 @@ class Trainer:
             **({"worker_policies": worker_policies} if worker_policies is not None else {}),
         )
         return self.collector
+
+    def _collected_batches(self, per_batch: int):
+        """Batches from the env workers until the run's frames are collected. A worker process
+        that dies (the OOM killer, a crash in NetHack) stops TorchRL's collector; the workers are
+        then started again from the current weights, up to ``--worker-restarts`` times, and the
+        run says so once each time. Workers that fail before their first batch are not restarted
+        (the same error would come back): :class:`EnvWorkerError` with the worker's own error."""
+        cfg = self.cfg
+        restarts = 0
+        while True:
+            remaining = max(cfg.frames - self.frames, per_batch)
+            started = False
+            try:
+                collector = self._make_collector(total_frames=-(-remaining // per_batch) * per_batch)
+                for batch in collector:
+                    started = True
+                    yield batch
+                return
+            except Exception as err:  # noqa: BLE001 — the collector's errors only: hooks run outside
+                death = _worker_death(err)
+                if not started or death is None:
+                    first = (str(err).strip().splitlines() or [""])[0]
+                    what = "env worker failed to start" if not started else "env workers stopped"
+                    raise EnvWorkerError(f"{what}: {type(err).__name__}: {first}") from err
+                if cfg.distributed.backend != "local" or restarts >= cfg.distributed.worker_restarts:
+                    raise EnvWorkerError(f"env {death} at {self.frames:,} frames, after {restarts} restart(s) of the "
+                                         f"env workers (--worker-restarts {cfg.distributed.worker_restarts})") from err
+                restarts += 1
+                log.warning("env %s at %s frames; starting the env workers again from the current weights "
+                            "(restart %d of %d)", death, f"{self.frames:,}", restarts, cfg.distributed.worker_restarts)
+                with contextlib.suppress(Exception):
+                    self.collector.shutdown()
 
     # ------------------------------------------------------------------ rewards
     def shape_reward(self, batch: TensorDictBase) -> TensorDictBase:
@@ -403,7 +457,7 @@ class Trainer:
         next_checkpoint = (self.frames // cfg.log.checkpoint_every + 1) * cfg.log.checkpoint_every
         metrics: Dict[str, float] = {}
         try:
-            collector = self._make_collector(total_frames=-(-remaining // per_batch) * per_batch)
+            batches = self._collected_batches(per_batch)
             if cfg.log.progress:
                 from tqdm.auto import tqdm
 
@@ -413,7 +467,8 @@ class Trainer:
             elapsed_before = self._elapsed_s
             clock = self.clock
             pending: List[TensorDictBase] = []  # batches gathered for the next update
-            for batch in collector:
+            for batch in batches:
+                collector = self.collector
                 t_got = time.perf_counter()
                 clock.add("wait", t_got - t_wait)
                 self.time_collect += t_got - t_wait
@@ -491,8 +546,8 @@ class Trainer:
                     break
         finally:
             stopping.saving = True
-            if collector is not None:
-                collector.shutdown()
+            if self.collector is not None:
+                self.collector.shutdown()
             if self.server is not None:
                 self.server.shutdown()
             if bar is not None:
