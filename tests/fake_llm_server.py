@@ -17,6 +17,7 @@ Modes (set ``server.mode``, or ``server.fail_next(n, mode)`` for the next ``n`` 
 ``no_label``       well-formed JSON whose texts hold no label
 ``wrong_count``    one choice fewer than prompts
 ``bad_index``      the right number of choices, all with ``index`` 0
+``yes``            well-formed answers calling every caption progress (a mis-prompted judge)
 =================  =============================================================
 
 ``stop()`` then ``start()`` simulates a server that dies mid-run (connections are refused, and
@@ -51,7 +52,7 @@ from torchrl_oni.annotators.base import FIRST, SECOND
 from torchrl_oni.annotators.scripted import ScriptedAnnotator
 
 MODES = ("ok", "http500", "http429", "hang", "malformed_json", "no_label", "wrong_count",
-         "bad_index")
+         "bad_index", "yes")
 
 # Probabilities the fake model gives to the positive label (graded so scores can be compared).
 P_POSITIVE_IF_PROGRESS = 0.9
@@ -355,7 +356,7 @@ class FakeLLMServer:
             positions = [(prefix, {prefix: -0.01}), (best, {best: -0.05})]
             return self._cut(prefix + best + "</best>", stop), positions
         if family in ("tagged", "short") and len(captions) == 1:
-            progress = self.rules.label(captions[0]) == 1.0
+            progress = mode == "yes" or self.rules.label(captions[0]) == 1.0
             p = P_POSITIVE_IF_PROGRESS if progress else P_POSITIVE_IF_NOT
             if family == "short":
                 pos, neg = " " + P.SHORT_POSITIVE, " " + P.SHORT_NEGATIVE

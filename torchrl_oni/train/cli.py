@@ -44,6 +44,9 @@ def build_parser(defaults: Optional[TrainConfig] = None) -> OneLineArgumentParse
     p.add_argument("--preset", choices=sorted(PRESETS), help="configuration to start from; 'oni': the paper's "
                    "optimiser settings and GRU policy (default: default)")
     p.add_argument("--quiet", action="store_true", help="no summary on stdout")
+    p.add_argument("--check-judge", action="store_true",
+                   help="only ask the annotator (--annotator, --llm-url, --llm-prompt, --goal) a dozen captions with "
+                   "known answers, say how it did and exit: 0 if its labels can make an ONI reward, 1 if not")
     add_arguments(p, TrainConfig, defaults=defaults)
     return p
 
@@ -115,6 +118,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .logging import MetricsFileError
     from .ppo import EnvWorkerError, Trainer, TrainingStopped
 
+    if args.check_judge:
+        return _check_judge(cfg)
     hooks: list = []
     try:
         hooks = build_intrinsic_hooks(cfg)
@@ -143,6 +148,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.quiet:
         _print_summary(trainer.cfg, summary)
     return 0
+
+
+def _check_judge(cfg: TrainConfig) -> int:
+    """``oni-train --check-judge``: the calibration probe alone (see torchrl_oni/annotators/probe.py)."""
+    from .intrinsic import check_judge, make_annotator
+
+    try:
+        annotator, server = make_annotator(cfg)
+    except (ValueError, RuntimeError, OSError) as err:
+        fail(PROG, str(err))
+    try:
+        report = check_judge(annotator, cfg.annotation.goal)
+    finally:
+        if server is not None:
+            server.stop()
+    if report is None:
+        fail(PROG, "the judge probe could not be asked (see the warning above)", code=1)
+    print(report.summary())
+    problem = report.problem()
+    print(f"!! {problem}" if problem else "the judge separates progress from its absence: its labels can make an "
+                                          "ONI reward")
+    return 1 if problem else 0
 
 
 def _print_summary(cfg: TrainConfig, summary: dict) -> None:

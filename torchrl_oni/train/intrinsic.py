@@ -80,6 +80,10 @@ CAPTION_STORE_NAME = "captions.pt"
 # COVERAGE_GRACE_S (the LLM needs a moment), at most every ALERT_EVERY_S; the final summary
 # warns below FINAL_COVERAGE_WARNING.
 LOW_COVERAGE = 0.05
+# While the run goes on: a judge that has approved at least JUDGE_POSITIVE_ALARM of at least
+# JUDGE_MIN_LABELS captions pays most steps (ONI's LLM approved ~10-20 %; a mis-prompted one 93 %)
+JUDGE_POSITIVE_ALARM = 0.5
+JUDGE_MIN_LABELS = 200
 COVERAGE_GRACE_S = 60.0
 ALERT_EVERY_S = 60.0
 FINAL_COVERAGE_WARNING = 0.5
@@ -161,6 +165,25 @@ def make_annotator(cfg: TrainConfig):
     return annotator, server
 
 
+def check_judge(annotator, goal: str):
+    """Runs the calibration probe (:mod:`torchrl_oni.annotators.probe`) on ``annotator``: the
+    :class:`~torchrl_oni.annotators.probe.JudgeReport`, or ``None`` when the probe could not be
+    asked (a server fault: the annotation worker's own retries deal with those)."""
+    from ..annotators.probe import probe_judge
+
+    async def run():
+        try:
+            return await probe_judge(annotator, goal)
+        finally:
+            await annotator.aclose()
+
+    try:
+        return asyncio.run(run())
+    except Exception as err:  # noqa: BLE001 — the probe must never stop a run
+        log.warning("judge probe not run: %s", str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
+
+
 class IntrinsicRewardHook:
     """The trainer hook of one intrinsic reward type (see the module docstring).
 
@@ -204,12 +227,20 @@ class IntrinsicRewardHook:
         self._closed = False
         self._started = self._last_alert = time.monotonic()
         self._final_health: Optional[str] = None
+        self.judge = None  # the calibration probe's report (LLM judges of captions)
+        self._judge_said = False
         annotator = None
         try:
             device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
             llm = None
             if self.spec.needs_annotator:
                 annotator, self.server = make_annotator(cfg)  # first: a dead server fails fast
+                if self.spec.labels and cfg.annotation.annotator == "llm":
+                    self.judge = check_judge(annotator, cfg.annotation.goal)  # before its first real label
+                    if self.judge is not None:
+                        problem = self.judge.problem()
+                        (log.warning if problem else log.info)("%s%s", self.judge.summary(),
+                                                               f"\n!! {problem}" if problem else "")
                 self._open_store()
             elif self.spec.llm and cfg.annotation.annotator == "llm":
                 llm, self.server = start_llm(cfg)
@@ -431,6 +462,8 @@ class IntrinsicRewardHook:
             for key in ("heldout_accuracy", "heldout_balanced_accuracy"):
                 if key in self.heldout and np.isfinite(self.heldout[key]):
                     out[f"reward_model/{key}"] = float(self.heldout[key])
+        if self.judge is not None:
+            out.update(self.judge.metrics())
         if self.parts.metrics is not None:
             out.update(self.parts.metrics())
         if self.transform is not None:
@@ -459,6 +492,10 @@ class IntrinsicRewardHook:
         if self.annotation is None:
             return None
         now = time.monotonic()
+        judge = self._judge_problem(metrics)
+        if judge and (not self._judge_said or now - self._last_alert >= ALERT_EVERY_S):
+            self._judge_said, self._last_alert = True, now
+            return judge
         coverage = self._coverage(metrics)
         if now - self._started < COVERAGE_GRACE_S or coverage >= LOW_COVERAGE or now - self._last_alert < ALERT_EVERY_S:
             return None
@@ -466,6 +503,18 @@ class IntrinsicRewardHook:
         what = "of steps have a labelled caption" if self.spec.labels else "of queued pairs are labelled"
         return (f"intrinsic reward: only {coverage:.1%} {what} after {now - self._started:.0f} s; "
                 f"annotation: {self.annotation.health()}")
+
+    def _judge_problem(self, metrics: Dict[str, float]) -> Optional[str]:
+        """The probe's verdict, or the positive rate of this run's labels when it pays most steps."""
+        if self.judge is not None and self.judge.problem():
+            return f"judge probe: {self.judge.problem()}"
+        labelled, positive = metrics.get("labels/labelled", 0), metrics.get("labels/positive_fraction", 0.0)
+        if self.spec.labels and labelled >= JUDGE_MIN_LABELS and positive >= JUDGE_POSITIVE_ALARM:
+            from ..annotators.probe import ADVICE
+
+            return (f"the judge approved {positive:.0%} of the {int(labelled):,} captions it labelled: the intrinsic "
+                    f"reward pays most steps, a survival bonus instead of ONI; {ADVICE}")
+        return None
 
     def _coverage(self, metrics: Dict[str, float]) -> float:
         """Share of steps whose caption is labelled (pairs-only types: share of pairs labelled)."""
@@ -480,6 +529,9 @@ class IntrinsicRewardHook:
         lines = self._reward_model_warnings(metrics)
         if self.annotation is None:
             return lines
+        judge = self._judge_problem(metrics)
+        if judge:
+            lines = [judge] + lines
         coverage = self._coverage(metrics)
         if coverage >= FINAL_COVERAGE_WARNING:
             return lines
