@@ -97,6 +97,14 @@ def test_the_positive_rate_is_watched_while_the_run_goes_on(tmp_path):
             bad = {**ok, "labels/positive_fraction": 0.93}
             assert "approved 93% of the 5,000 captions" in hook._judge_problem(bad)
             assert any("approved 93%" in w for w in hook.final_warnings(bad))
+            # the empty message, the commonest caption of all, labelled progress
+            from torchrl_oni.annotators.base import Provenance
+            from torchrl_oni.captions import encode_messages, hash_messages
+
+            empty = encode_messages([""])
+            hook.store.add(empty)
+            hook.store.set_labels(hash_messages(empty), [1.0], Provenance("llm", "fake-model", "v1"))
+            assert "labelled the empty message" in hook._judge_problem(ok)
         finally:
             hook.close(save=False)
 

@@ -64,6 +64,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
+
+from ..captions import caption_hash
 from tensordict import TensorDictBase
 
 from ..atomic import atomic_write
@@ -84,6 +86,7 @@ LOW_COVERAGE = 0.05
 # JUDGE_MIN_LABELS captions pays most steps (ONI's LLM approved ~10-20 %; a mis-prompted one 93 %)
 JUDGE_POSITIVE_ALARM = 0.5
 JUDGE_MIN_LABELS = 200
+EMPTY_CAPTION_HASH = caption_hash(b"")
 COVERAGE_GRACE_S = 60.0
 ALERT_EVERY_S = 60.0
 FINAL_COVERAGE_WARNING = 0.5
@@ -508,12 +511,18 @@ class IntrinsicRewardHook:
         """The probe's verdict, or the positive rate of this run's labels when it pays most steps."""
         if self.judge is not None and self.judge.problem():
             return f"judge probe: {self.judge.problem()}"
-        labelled, positive = metrics.get("labels/labelled", 0), metrics.get("labels/positive_fraction", 0.0)
-        if self.spec.labels and labelled >= JUDGE_MIN_LABELS and positive >= JUDGE_POSITIVE_ALARM:
-            from ..annotators.probe import ADVICE
+        if not self.spec.labels or self.store is None:
+            return None
+        from ..annotators.probe import ADVICE
 
+        labelled, positive = metrics.get("labels/labelled", 0), metrics.get("labels/positive_fraction", 0.0)
+        if labelled >= JUDGE_MIN_LABELS and positive >= JUDGE_POSITIVE_ALARM:
             return (f"the judge approved {positive:.0%} of the {int(labelled):,} captions it labelled: the intrinsic "
                     f"reward pays most steps, a survival bonus instead of ONI; {ADVICE}")
+        label, found = self.store.lookup(np.array([EMPTY_CAPTION_HASH], dtype=np.int64))
+        if bool(found[0]) and float(label[0]) > 0.5:  # the commonest caption of all: it would pay most steps
+            return (f"the judge labelled the empty message (no message on screen) as progress, so most steps are "
+                    f"paid; {ADVICE}")
         return None
 
     def _coverage(self, metrics: Dict[str, float]) -> float:
