@@ -110,6 +110,7 @@ class FakeLLMServer:
         self.batch_sizes: List[int] = []  # prompts of each completion request answered
         self.disconnects = 0  # requests whose client went away before the answer
         self.unauthorized = 0
+        self.authorization: List[Optional[str]] = []  # the Authorization header of every request
         self.in_flight = 0
         self.max_in_flight = 0  # most completion requests handled at once
         self._serial_lock: Optional[asyncio.Lock] = None
@@ -193,6 +194,8 @@ class FakeLLMServer:
 
     # ------------------------------------------------------------------ handlers
     def _unauthorized(self, request: web.Request) -> Optional[web.Response]:
+        with self._lock:
+            self.authorization.append(request.headers.get("Authorization"))
         if self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}":
             return None
         with self._lock:

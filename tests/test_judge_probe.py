@@ -120,3 +120,4 @@ def test_oni_train_check_judge(mode, code, capsys, tmp_path):
     assert out.startswith("judge probe: 13 of 13 answered")
     assert ("!! the judge approves 8 of 8" in out) == (mode == "yes")
     assert not (tmp_path / "metrics.csv").exists(), "--check-judge trains nothing"
+

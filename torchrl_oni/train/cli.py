@@ -86,7 +86,37 @@ def parse_command(argv: Optional[List[str]] = None) -> Tuple[TrainConfig, argpar
         cfg = apply_arguments(base, args)
     except ValueError as err:
         fail(PROG, str(err))
+    for line in _guard_api_key(cfg, from_command_line=hasattr(args, "llm_url")):
+        sys.stderr.write(f"{PROG}: warning: {line}\n")
     return cfg, args
+
+
+def _guard_api_key(cfg: TrainConfig, from_command_line: bool) -> List[str]:
+    """Keeps the user's API key with the servers the user named: ``OPENAI_API_KEY`` is not sent
+    to ``--llm-url`` servers read from a file (``--config``, a resumed run's config.yaml) unless
+    ``--llm-url`` is given again on the command line; a key that would cross a network in plain
+    http is warned about. Returns the warnings; may set ``llm_api_key`` to ``""`` (no key)."""
+    from urllib.parse import urlsplit
+
+    from ..annotators.openai import API_KEY_ENV
+    from ..serve.embedded import is_loopback
+
+    ann = cfg.annotation
+    if not ann.llm_url:
+        return []
+    lines = []
+    if ann.llm_api_key is None and os.environ.get(API_KEY_ENV) and not from_command_line:
+        ann.llm_api_key = ""  # no Authorization header
+        lines.append(f"{API_KEY_ENV} is not sent to {', '.join(ann.llm_url)}: that URL comes from a file, not from "
+                     f"this command line; give --llm-url again (or --llm-api-key) to send a key there")
+    key = ann.llm_api_key if ann.llm_api_key is not None else os.environ.get(API_KEY_ENV)
+    if key:
+        for url in ann.llm_url:
+            parts = urlsplit(url)
+            if parts.scheme == "http" and not is_loopback(parts.hostname or ""):
+                lines.append(f"the API key goes to {url} over plain http: anyone on the path can read it (use https, "
+                             f"or an SSH tunnel to a loopback port)")
+    return lines
 
 
 def _check_startable(cfg: TrainConfig) -> None:
