@@ -25,28 +25,10 @@ import time
 import torch
 
 
-def _rollout(arch: str, games: int, steps: int):
-    from torchrl_oni.train.config import TrainConfig
-    from torchrl_oni.train.policy import make_actor_critic, recurrent_primer
-    from torchrl_oni.train.ppo import make_env_factory
-
-    cfg = TrainConfig(envs_per_worker=games, rollout=steps, max_episode_steps=200)
-    probe = make_env_factory(cfg, 0)()
-    actor, critic = make_actor_critic(probe, arch=arch)
-    probe.close()
-    primer = recurrent_primer(actor)
-    env = make_env_factory(cfg, 0, primer.primers if primer is not None else None)()
-    with torch.no_grad():
-        batch = env.rollout(steps, actor, break_when_any_done=False)
-    env.close()
-    batch.set(("next", "reward"), torch.randn(batch.get(("next", "reward")).shape))
-    return actor, critic, batch
-
-
 def measure(arch: str, device: torch.device, frames: int, seconds: float, minibatch: int, rollout: int,
             fast_values: bool = True, threads: int = 0) -> dict:
     from torchrl_oni.train.config import PPOConfig
-    from torchrl_oni.train.learner import PPOLearner
+    from torchrl_oni.train.learner import PPOLearner, rollout_batch
     from torchrl_oni.train.policy import RECURRENT_ARCHS
     from torchrl_oni.train.timing import UPDATE_STAGES, StageClock
 
@@ -54,7 +36,7 @@ def measure(arch: str, device: torch.device, frames: int, seconds: float, miniba
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     games = max(1, frames // rollout)
-    actor, critic, base = _rollout(arch, min(games, 32), rollout)
+    actor, critic, base = rollout_batch(arch, min(games, 32), rollout)
     reps = -(-games // base.shape[0])
     batch = torch.cat([base] * reps, 0)[:games]  # the real rollout tiled to the update's size
     actor.to(device)

@@ -10,31 +10,14 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_oni.train.config import PPOConfig, TrainConfig
-from torchrl_oni.train.learner import PPOLearner, feedforward_values
-from torchrl_oni.train.policy import make_actor_critic, recurrent_primer
-from torchrl_oni.train.ppo import Trainer, make_env_factory
+from torchrl_oni.train.learner import PPOLearner, feedforward_values, rollout_batch
+from torchrl_oni.train.ppo import Trainer
 from torchrl_oni.train.timing import LOSS_STAGES, StageClock
 
 
 def _rollout(arch="light", games=6, steps=24, max_episode_steps=10, seed=0, value_heads=1):
     """A real batch [games, steps] with terminations and truncations inside it."""
-    torch.manual_seed(seed)
-    cfg = TrainConfig(envs_per_worker=games, rollout=steps, max_episode_steps=max_episode_steps, seed=seed)
-    probe = make_env_factory(cfg, 0)()
-    actor, critic = make_actor_critic(probe, arch=arch, value_heads=value_heads)
-    probe.close()
-    primer = recurrent_primer(actor)
-    env = make_env_factory(cfg, 0, primer.primers if primer is not None else None)()
-    with torch.no_grad():
-        batch = env.rollout(steps, actor, break_when_any_done=False)
-    env.close()
-    gen = torch.Generator().manual_seed(seed)
-    reward = torch.randn(batch.get(("next", "reward")).shape, generator=gen)
-    batch.set(("next", "reward"), reward)
-    if value_heads == 2:
-        batch.set(("next", "reward_ext"), reward)
-        batch.set(("next", "reward_int"), torch.randn(reward.shape, generator=gen))
-    return actor, critic, batch
+    return rollout_batch(arch, games, steps, max_episode_steps, seed, value_heads)
 
 
 def _reference_update(actor, critic, batch, ppo: PPOConfig, recurrent=False, value_heads=1, seed=0):

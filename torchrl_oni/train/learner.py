@@ -52,7 +52,7 @@ from tensordict import TensorDictBase
 
 from .timing import StageClock
 
-__all__ = ["PPOLearner", "feedforward_values", "STAT_KEYS"]
+__all__ = ["PPOLearner", "feedforward_values", "rollout_batch", "STAT_KEYS"]
 
 # what each update reports (``train/<key>``), when the loss produces it
 STAT_KEYS = ("loss_objective", "loss_critic", "loss_entropy", "entropy", "kl_approx", "clip_fraction", "grad_norm")
@@ -82,6 +82,36 @@ def feedforward_values(critic, batch: TensorDictBase, value_keys: Sequence[str])
         next_value[need] = values[n * t :]
         batch.set(key, value)
         batch.set(("next", key), next_value)
+
+
+def rollout_batch(arch: str = "light", games: int = 32, steps: int = 32, max_episode_steps: int = 200,
+                  seed: int = 0, value_heads: int = 1):
+    """``(actor, critic, batch)``: fresh networks and a real batch ``[games, steps]`` they played
+    (episode ends inside it when ``max_episode_steps < steps``), with standard-normal rewards —
+    what the learner is handed, for benchmarks and tests of the learner alone."""
+    from .config import TrainConfig
+    from .policy import make_actor_critic, recurrent_primer
+    from .ppo import make_env_factory
+
+    torch.manual_seed(seed)
+    cfg = TrainConfig(envs_per_worker=games, rollout=steps, max_episode_steps=max_episode_steps, seed=seed)
+    probe = make_env_factory(cfg, 0)()
+    actor, critic = make_actor_critic(probe, arch=arch, value_heads=value_heads)
+    probe.close()
+    primer = recurrent_primer(actor)
+    env = make_env_factory(cfg, 0, primer.primers if primer is not None else None)()
+    try:
+        with torch.no_grad():
+            batch = env.rollout(steps, actor, break_when_any_done=False)
+    finally:
+        env.close()
+    gen = torch.Generator().manual_seed(seed)
+    reward = torch.randn(batch.get(("next", "reward")).shape, generator=gen)
+    batch.set(("next", "reward"), reward)
+    if value_heads == 2:
+        batch.set(("next", "reward_ext"), reward)
+        batch.set(("next", "reward_int"), torch.randn(reward.shape, generator=gen))
+    return actor, critic, batch
 
 
 class PPOLearner:
