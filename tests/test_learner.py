@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_oni.train.config import PPOConfig, TrainConfig
-from torchrl_oni.train.learner import PPOLearner, feedforward_values, rollout_batch
+from torchrl_oni.train.learner import PPOLearner, feedforward_values, recurrent_values, rollout_batch
 from torchrl_oni.train.ppo import Trainer
 from torchrl_oni.train.timing import LOSS_STAGES, StageClock
 
@@ -122,6 +122,23 @@ def test_feedforward_values_equal_torchrl_gae_values_across_resets():
     shifted = mine["state_value"][:, 1:]
     ends = done[:, :-1].squeeze(-1)
     assert not torch.allclose(mine["next", "state_value"][:, :-1][ends], shifted[ends])
+
+
+def test_recurrent_values_equal_torchrl_gae_values_across_resets():
+    """The GRU critic's values from one pass equal TorchRL's two-sequence GAE values when the
+    weights are the acting ones, episode ends (terminal observations, resets) included."""
+    from torchrl.modules import set_recurrent_mode
+    from torchrl.objectives.value import GAE
+
+    actor, critic, batch = _rollout("oni", games=4, steps=20, max_episode_steps=7)
+    assert batch["next", "done"].any() and batch["is_init"][:, 1:].any()
+    ref = batch.clone()
+    with torch.no_grad(), set_recurrent_mode(True):
+        GAE(gamma=0.99, lmbda=0.95, value_network=critic, average_gae=False, deactivate_vmap=True)(ref)
+        mine = batch.clone()
+        recurrent_values(critic, mine, ["state_value"])
+    torch.testing.assert_close(mine["state_value"], ref["state_value"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(mine["next", "state_value"], ref["next", "state_value"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("value_heads", [1, 2])

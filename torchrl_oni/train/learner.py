@@ -13,8 +13,8 @@ policy, 1,024-frame batches: 49 ms an update before, GAE 25 % of it):
   end and at the rollout's last step. ``GAE(shifted=True)`` saves the second pass but bootstraps
   from the *next episode's* first observation at episode ends (advantages off by up to 1.85 on a
   batch with 32 truncations, measured), so the values are computed here and ``GAE`` only does the
-  recursion. Recurrent policies keep TorchRL's path (their values depend on the hidden state
-  along the sequence).
+  recursion. A single-layer GRU critic gets the same from one recurrent pass
+  (:func:`recurrent_values`); an LSTM keeps TorchRL's path.
 * **minibatches are cut from the keys the loss reads** (not the whole batch with its ``next``
   observations and episode statistics);
 * **statistics stay on the device** until the end of the update and are read with one
@@ -52,7 +52,7 @@ from tensordict import TensorDictBase
 
 from .timing import StageClock
 
-__all__ = ["PPOLearner", "feedforward_values", "rollout_batch", "STAT_KEYS"]
+__all__ = ["PPOLearner", "feedforward_values", "recurrent_values", "rollout_batch", "STAT_KEYS"]
 
 # what each update reports (``train/<key>``), when the loss produces it
 STAT_KEYS = ("loss_objective", "loss_critic", "loss_entropy", "entropy", "kl_approx", "clip_fraction", "grad_norm")
@@ -114,6 +114,53 @@ def rollout_batch(arch: str = "light", games: int = 32, steps: int = 32, max_epi
     return actor, critic, batch
 
 
+def _single_gru(critic):
+    """The critic's GRU core when it has exactly one single-layer ``GRUModule`` (its output at each
+    step is then its hidden state), else None."""
+    from torchrl.modules import GRUModule
+
+    cores = [m for m in critic.modules() if isinstance(m, GRUModule)]
+    if len(cores) != 1 or cores[0].gru.num_layers != 1:
+        return None
+    return cores[0]
+
+
+def recurrent_values(critic, batch: TensorDictBase, value_keys: Sequence[str]) -> None:
+    """:func:`feedforward_values` for a critic with one single-layer GRU core: one recurrent pass
+    over the batch's observations gives every value and every step's hidden state; the next
+    observations that are not the following step's (episode ends, the rollout's last step) get
+    one GRU step from the hidden state after their own step.
+
+    TorchRL's ``GAE`` runs the encoder and GRU over every observation and again over every next
+    observation, the next sequence starting from the hidden states stored at acting time. The two
+    agree when the weights are those the batch was played with (``tests/test_learner.py``); after
+    an update they differ by the policy lag, and these use the current weights throughout.
+    """
+    from torchrl.modules import set_recurrent_mode
+
+    core = _single_gru(critic)
+    n, t = batch.shape[:2]
+    keys = list(critic.in_keys)
+    with set_recurrent_mode(True):
+        out = critic(batch.select(*keys).copy())
+    hidden = out.get(core.out_keys[0])  # [n, t, H]: the GRU's output, its hidden state after each step
+    need = batch.get(("next", "done")).reshape(n, t).clone()
+    need[:, -1] = True
+    nxt = batch.get("next").select(*keys)[need].copy()
+    state_key = core.in_keys[1]  # the hidden state the GRU starts from
+    nxt.set(state_key, hidden[need].unsqueeze(-2).to(nxt.get(state_key).dtype))
+    nxt.set("is_init", torch.zeros_like(nxt.get("is_init")))
+    with set_recurrent_mode(False):
+        last = critic(nxt)
+    for key in value_keys:
+        value = out.get(key)
+        next_value = torch.empty_like(value)
+        next_value[:, :-1] = value[:, 1:]
+        next_value[need] = last.get(key)
+        batch.set(key, value)
+        batch.set(("next", key), next_value)
+
+
 class PPOLearner:
     """ClipPPOLoss, GAE and Adam for a NetHack actor–critic.
 
@@ -138,7 +185,9 @@ class PPOLearner:
         self.recurrent = recurrent
         self.value_heads = value_heads
         self.clock = clock if clock is not None else StageClock()
-        self.fast_values = fast_values and not recurrent
+        # one critic pass per observation: feed-forward critics, and single-layer GRU cores
+        # (an LSTM's cell state is not in its output: TorchRL's path for it)
+        self.fast_values = fast_values and (not recurrent or _single_gru(critic) is not None)
         self.suffixes = [""] if value_heads == 1 else ["_ext", "_int"]
         self.value_keys = ["state_value" + s for s in self.suffixes]
 
@@ -189,7 +238,8 @@ class PPOLearner:
         """Values, advantages and value targets, written into ``batch``."""
         with torch.no_grad():
             if self.fast_values:
-                feedforward_values(self.critic, batch, self.value_keys)
+                values = recurrent_values if self.recurrent else feedforward_values
+                values(self.critic, batch, self.value_keys)
             for estimator in self.advantages:
                 estimator(batch)
             if self.value_heads == 2:
