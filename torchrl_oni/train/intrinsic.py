@@ -64,11 +64,10 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
-
-from ..captions import caption_hash
 from tensordict import TensorDictBase
 
 from ..atomic import atomic_write
+from ..captions import caption_hash
 from ..captions import INTRINSIC_REWARD_KEY, MESSAGE_LEN, decode_message
 from .config import TrainConfig
 
@@ -97,16 +96,22 @@ MIN_REWARD_MODEL_STEPS = 100
 CHANCE_BALANCED_ACCURACY = 0.55
 
 
-def _check_llm(annotator) -> None:
-    """Asks the server for its models; raises ``AnnotatorUnavailable`` with one line."""
+def _ask_then_close(annotator, ask):
+    """Runs ``await ask()`` on a fresh event loop and closes the annotator's HTTP sessions after
+    (the annotation worker opens its own on its loop)."""
 
-    async def check():
+    async def run():
         try:
-            await annotator.check()
+            return await ask()
         finally:
             await annotator.aclose()
 
-    asyncio.run(check())
+    return asyncio.run(run())
+
+
+def _check_llm(annotator) -> None:
+    """Asks the server for its models; raises ``AnnotatorUnavailable`` with one line."""
+    _ask_then_close(annotator, annotator.check)
 
 
 def start_llm(cfg: TrainConfig):
@@ -174,14 +179,8 @@ def check_judge(annotator, goal: str):
     asked (a server fault: the annotation worker's own retries deal with those)."""
     from ..annotators.probe import probe_judge
 
-    async def run():
-        try:
-            return await probe_judge(annotator, goal)
-        finally:
-            await annotator.aclose()
-
     try:
-        return asyncio.run(run())
+        return _ask_then_close(annotator, lambda: probe_judge(annotator, goal))
     except Exception as err:  # noqa: BLE001 — the probe must never stop a run
         log.warning("judge probe not run: %s", str(err).splitlines()[0] if str(err) else type(err).__name__)
         return None

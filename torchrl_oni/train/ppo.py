@@ -265,8 +265,7 @@ class Trainer:
 
         self.clock = StageClock()
         self.learner = PPOLearner(self.actor, self.critic, cfg.ppo, self.device, recurrent=self.recurrent,
-                                  value_heads=self.value_heads, clock=self.clock,
-                                  fast_values=True)
+                                  value_heads=self.value_heads, clock=self.clock)
         # the learner's parts, reachable as before (hooks train with the trainer's optimiser)
         self.advantages, self.loss = self.learner.advantages, self.learner.loss
         self.params, self.optimizer = self.learner.params, self.learner.optimizer
@@ -448,12 +447,12 @@ class Trainer:
         per_batch = cfg.frames_per_batch
         with _stop_on_signals() as stopping:
             try:
-                return self._train_loop(cfg, logger, remaining, per_batch, stopping)
+                return self._train_loop(cfg, logger, per_batch, stopping)
             finally:
                 stopping.saving = True  # a second signal must not interrupt the final save
 
-    def _train_loop(self, cfg: TrainConfig, logger: "RunLogger", remaining: int, per_batch: int, stopping) -> Dict[str, float]:
-        collector = bar = None
+    def _train_loop(self, cfg: TrainConfig, logger: "RunLogger", per_batch: int, stopping) -> Dict[str, float]:
+        bar = None
         next_checkpoint = (self.frames // cfg.log.checkpoint_every + 1) * cfg.log.checkpoint_every
         metrics: Dict[str, float] = {}
         try:
@@ -468,7 +467,6 @@ class Trainer:
             clock = self.clock
             pending: List[TensorDictBase] = []  # batches gathered for the next update
             for batch in batches:
-                collector = self.collector
                 t_got = time.perf_counter()
                 clock.add("wait", t_got - t_wait)
                 self.time_collect += t_got - t_wait
@@ -502,7 +500,7 @@ class Trainer:
                         if hasattr(hook, "after_update"):
                             hook.after_update(self)
                 with clock("weights"):
-                    self._send_weights(collector)
+                    self._send_weights()
                 t_log = time.perf_counter()
                 elapsed = t_log - t_start
                 self._elapsed_s = elapsed_before + elapsed
@@ -580,7 +578,7 @@ class Trainer:
             if hasattr(hook, "close"):
                 hook.close()
 
-    def _send_weights(self, collector) -> None:
+    def _send_weights(self) -> None:
         """Fresh weights to whatever acts: the inference server (on the learner's device, in
         place) or the env workers' CPU copies (through the collector)."""
         from tensordict import TensorDict
@@ -589,4 +587,4 @@ class Trainer:
         if self.server is not None:
             self.server.update_weights(weights)
             return
-        collector.update_policy_weights_(weights if self.device.type == "cpu" else weights.to("cpu"))
+        self.collector.update_policy_weights_(weights if self.device.type == "cpu" else weights.to("cpu"))
