@@ -197,6 +197,10 @@ def test_trainer_gathers_batches_per_update(tmp_path):
 def test_frames_per_update_must_be_whole_batches():
     with pytest.raises(ValueError, match="multiple of one batch"):
         TrainConfig(envs_per_worker=4, rollout=32, frames_per_update=200).validate()
+    with pytest.raises(ValueError, match="at most --frames"):
+        TrainConfig(envs_per_worker=32, rollout=32, frames=10**9, frames_per_update=2**40).validate()
+    with pytest.raises(ValueError, match="at most --frames"):
+        TrainConfig(envs_per_worker=4, rollout=32, frames=1024, frames_per_update=2048).validate()
     with pytest.raises(ValueError, match="--backend local"):
         TrainConfig(acting="server", backend="ray").validate()
 

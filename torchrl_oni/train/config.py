@@ -62,6 +62,7 @@ MODEL_REWARDS = ("classification", "ranking")  # the reward types that train a r
 GOALS = ("default", "combat", "gold", "stairs", "zero-knowledge")
 ARCHS = ("light", "oni", "oni-lstm")
 CONFIG_NAME = "config.yaml"  # the run folder's copy of its configuration
+MAX_FRAMES_PER_UPDATE = 2**20  # gathered batches wait in the trainer's memory: ~1.4 GB at this size
 DEFAULT_INTRINSIC_COEFF = 0.4  # ONI's coefficient of the intrinsic reward (oni_spec §5)
 
 
@@ -327,6 +328,9 @@ class TrainConfig:
                                                and ppo.frames_per_update % self.frames_per_batch == 0),
              f"--frames-per-update ({ppo.frames_per_update}) must be a multiple of one batch "
              f"(envs-per-worker × rollout = {self.frames_per_batch})"),
+            (ppo.frames_per_update is None or ppo.frames_per_update <= min(self.frames, MAX_FRAMES_PER_UPDATE),
+             f"--frames-per-update ({ppo.frames_per_update}) must be at most --frames ({self.frames}) and "
+             f"{MAX_FRAMES_PER_UPDATE:,} (its batches are held in memory, ~1.4 kB a frame)"),
             (self.acting == "workers" or self.distributed.backend == "local",
              "--acting server needs --backend local (Ray actors act on their own CPUs)"),
             (self.log.checkpoint_every > 0, "--checkpoint-every must be positive"),
