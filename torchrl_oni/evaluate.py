@@ -308,7 +308,7 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
     from torchrl.envs import TransformedEnv
     from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-    from .train.ppo import EnvFactory  # the env exactly as training builds it (primers included)
+    from .train.env_factory import EnvFactory  # the env exactly as training builds it (primers included)
 
     task_kwargs = {"max_episode_steps": settings["max_episode_steps"],
                    "timeout_as_termination": settings["timeout_as_termination"]}

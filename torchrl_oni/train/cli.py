@@ -122,7 +122,7 @@ def _guard_api_key(cfg: TrainConfig, from_command_line: bool) -> List[str]:
 def _check_startable(cfg: TrainConfig) -> None:
     """Everything that can be checked before any process starts; raises ValueError."""
     from .distributed import check_backend
-    from .ppo import resolve_device
+    from .config import resolve_device
 
     cfg.validate()
     check_backend(cfg.distributed.backend, cfg.distributed.ray_address)

@@ -419,3 +419,16 @@ PRESETS = {
 }
 
 INTRINSIC_REWARDS = intrinsic_rewards()
+
+
+def resolve_device(name: str) -> "torch.device":
+    """The torch device ``--device`` names (``auto``: CUDA where there is one); a one-line error
+    for a CUDA device on a machine without one."""
+    import torch  # here, not at the top: reading the configuration (``--help``) loads no torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device

@@ -47,7 +47,7 @@ Example:
     >>> from torchrl_oni.envs import NLEBatchEnv
     >>> from torchrl_oni.train.config import TrainConfig
     >>> from torchrl_oni.train.policy import make_actor_critic
-    >>> from torchrl_oni.train.ppo import make_env_factory
+    >>> from torchrl_oni.train.env_factory import make_env_factory
     >>> from torchrl_oni.train.distributed import make_collector
     >>> cfg = TrainConfig(workers=1, envs_per_worker=2, rollout=8)
     >>> actor, _ = make_actor_critic(NLEBatchEnv("score", num_envs=1, seed=0))

@@ -91,7 +91,7 @@ def rollout_batch(arch: str = "light", games: int = 32, steps: int = 32, max_epi
     what the learner is handed, for benchmarks and tests of the learner alone."""
     from .config import TrainConfig
     from .policy import make_actor_critic, recurrent_primer
-    from .ppo import make_env_factory
+    from .env_factory import make_env_factory
 
     torch.manual_seed(seed)
     cfg = TrainConfig(envs_per_worker=games, rollout=steps, max_episode_steps=max_episode_steps, seed=seed)

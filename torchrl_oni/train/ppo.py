@@ -33,17 +33,17 @@ import re
 import signal
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase
-from torchrl.envs import Compose, InitTracker, TransformedEnv
 
-from ..envs.batched import EPISODE_STATS, NLEBatchEnv
+from ..envs.batched import EPISODE_STATS
 from ..atomic import remove_stale_temps
 from .checkpoint import CHECKPOINT_NAME, TRAINER_KEYS, CheckpointError, load_checkpoint, save_checkpoint
-from .config import CONFIG_NAME, TrainConfig
+from .config import CONFIG_NAME, TrainConfig, resolve_device
+from .env_factory import EnvFactory, make_env_factory  # noqa: F401  (EnvFactory: importable here for one release)
 from .logging import EpisodeWindow, RunLogger
 from .policy import RECURRENT_ARCHS, make_actor_critic, recurrent_primer
 
@@ -170,46 +170,6 @@ class TrainHook:
 
     def close(self) -> None:
         pass
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
-    return device
-
-
-class EnvFactory:
-    """Picklable env constructor for collector workers (one torch thread per env process)."""
-
-    def __init__(self, task, num_envs, seed, task_kwargs, primer_spec=None, screens=False, transforms=()):
-        self.task, self.num_envs, self.seed = task, num_envs, seed
-        self.task_kwargs = task_kwargs
-        self.screens = screens  # the terminal too, for the labelling page (--human-feedback)
-        self.recurrent = primer_spec is not None
-        self.primer_spec = primer_spec
-        self.transforms = list(transforms)  # the hooks' acting-time observations (e.g. ELLM's goal)
-
-    def __call__(self):
-        torch.set_num_threads(1)
-        env = NLEBatchEnv(self.task, self.num_envs, seed=self.seed, task_kwargs=self.task_kwargs, screens=self.screens)
-        transforms = list(self.transforms)
-        if self.recurrent:
-            from torchrl.envs import TensorDictPrimer
-
-            transforms += [InitTracker(), TensorDictPrimer(self.primer_spec, expand_specs=True)]
-        return TransformedEnv(env, Compose(*transforms)) if transforms else env
-
-
-def make_env_factory(cfg: TrainConfig, worker: int, primer_spec=None, transforms=()) -> Callable:
-    task_kwargs = dict(
-        timeout_as_termination=cfg.env.timeout_as_termination, max_episode_steps=cfg.env.max_episode_steps
-    )
-    seed = cfg.seed * 10_007 + worker
-    return EnvFactory(cfg.env.task, cfg.env.envs_per_worker, seed, task_kwargs, primer_spec,
-                      screens=cfg.feedback.human_feedback, transforms=transforms)
 
 
 class Trainer:
