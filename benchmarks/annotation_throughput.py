@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 
-from torchrl_oni.rewards.metrics import auc
+from torchrl_oni.stats import auc
 
 # (message, shows progress?) — our own labels for the default goal (score: kill, gold, descend).
 LABELLED: Tuple[Tuple[str, bool], ...] = (

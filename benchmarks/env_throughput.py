@@ -136,7 +136,7 @@ def main(argv=None):
     torch.set_num_threads(1)
 
     from torchrl_oni.envs import NLEBatchEnv
-    from torchrl_oni.envs.gym_pieces import make_gym_env
+    from torchrl_oni.envs.gym_wrapper import make_gym_env
 
     # the one-game loops stay open and are measured again beside every K, so each ratio
     # compares figures taken in the same minutes

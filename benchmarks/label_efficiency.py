@@ -8,7 +8,7 @@
 3. For each seed and each rule (``uniform``, ``disagree``, ``entropy``): an ensemble of
    ``--members`` classifiers (:class:`~torchrl_oni.rewards.ensemble.ClassifierEnsemble`, bootstrap
    resamples) starts from ``--initial`` uniformly chosen labels, then queries rounds of captions
-   chosen by the rule (:func:`torchrl_oni.active.select` on the members' predictions), labelled by
+   chosen by the rule (:func:`torchrl_oni.queries.select` on the members' predictions), labelled by
    a **noisy** simulated teacher (:class:`~torchrl_oni.annotators.teacher.SimulatedTeacher`,
    ``--beta``, ``--epsilon``), and trains ``--steps-per-round`` steps after each round. At each
    budget the ensemble's reward (mean P(helpful) > 0.5) is scored on the test set.
@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from torchrl_oni.active import select  # noqa: E402
+from torchrl_oni.queries import select  # noqa: E402
 from torchrl_oni.annotators.scripted import ScriptedAnnotator  # noqa: E402
 from torchrl_oni.annotators.teacher import SimulatedTeacher  # noqa: E402
 from torchrl_oni.atomic import atomic_write  # noqa: E402

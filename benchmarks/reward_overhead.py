@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from torchrl_oni.train import TrainConfig, Trainer  # noqa: E402
 from torchrl_oni.train.intrinsic import build_intrinsic_hooks  # noqa: E402
-from torchrl_oni.train.logging import read_metrics  # noqa: E402
+from torchrl_oni.train.run_log import read_metrics  # noqa: E402
 
 KINDS = ("none", "retrieval", "classification", "ranking", "bow", "ellm")
 

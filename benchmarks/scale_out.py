@@ -43,7 +43,7 @@ class _Clock:
 
 def run(backend: str, seconds: float, args) -> dict:
     from torchrl_oni.train import TrainConfig, Trainer
-    from torchrl_oni.train.logging import read_metrics
+    from torchrl_oni.train.run_log import read_metrics
 
     logdir = tempfile.mkdtemp(prefix=f"oni-scale-{backend}-")
     extra = dict(backend=backend)

@@ -142,7 +142,7 @@ class Run:
     @property
     def store(self) -> Optional[Path]:
         """The caption store oni-eval is given (None: the run's own, found by oni-eval)."""
-        from torchrl_oni.evaluate import CAPTION_STORE_NAME
+        from torchrl_oni.run_folder import CAPTION_STORE_NAME
 
         return None if self.store_from is None else self.store_from.logdir / CAPTION_STORE_NAME
 
@@ -544,7 +544,7 @@ def curve_value(rows: List[Dict[str, float]], metric: str, target: float) -> Opt
 def collect_run(run: Run, args) -> dict:
     """One run's numbers: eval.json statistics, curve values at the budgets, frames, wall times."""
     from torchrl_oni.evaluate import EVAL_NAME
-    from torchrl_oni.train.logging import METRICS_NAME, MetricsFileError, read_metrics
+    from torchrl_oni.train.run_log import METRICS_NAME, MetricsFileError, read_metrics
 
     out = {"task": run.task, "setting": run.setting, "reward": run.reward, "annotator": run.annotator,
            "seed": run.seed, "logdir": str(run.logdir), "status": run.status, "frames": run.frames,
@@ -574,7 +574,7 @@ def budget_key(fraction: float) -> str:
 
 def aggregate(per_run: List[dict], args) -> List[dict]:
     """Per task × setting: mean and 95 % CI over the seeds whose run is done (:func:`mean_ci`)."""
-    from torchrl_oni.evaluate import mean_ci
+    from torchrl_oni.stats import mean_ci
 
     groups: Dict[tuple, List[dict]] = {}
     for r in per_run:

@@ -20,7 +20,7 @@ import tempfile
 def run(value_heads: int, seed: int, frames: int) -> dict:
     from torchrl_oni.train import TrainConfig, Trainer
     from torchrl_oni.train.intrinsic import build_intrinsic_hooks
-    from torchrl_oni.train.logging import read_metrics
+    from torchrl_oni.train.run_log import read_metrics
 
     logdir = tempfile.mkdtemp(prefix=f"oni-heads{value_heads}-s{seed}-")
     cfg = TrainConfig(task="score", frames=frames, seed=seed, logdir=logdir, value_heads=value_heads,

@@ -1,11 +1,11 @@
-"""Label budgets and active query selection (torchrl_oni.active) on crafted inputs."""
+"""Label budgets and active query selection (torchrl_oni.queries) on crafted inputs."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from torchrl_oni.active import (
+from torchrl_oni.queries import (
     RULES,
     LabelBudget,
     SelectiveClaim,

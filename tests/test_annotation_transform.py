@@ -348,7 +348,7 @@ def _store_with(texts_seen, **kwargs):
 
 @pytest.mark.parametrize("failure,labelled,refunded", [("server fault", 3, 3), ("unparsable", 0, 0)])
 def test_label_budget_through_the_worker(failure, labelled, refunded):
-    from torchrl_oni.active import LabelBudget, SelectiveClaim
+    from torchrl_oni.queries import LabelBudget, SelectiveClaim
 
     texts = {f"You kill monster number {i}!": i + 1 for i in range(10)}
     store = _store_with(texts, server_retry_s=0.0, retry_backoff_s=0.0)
@@ -393,7 +393,7 @@ RULE_ORDERS = {
 
 
 def _asked_in_order(rule, seed=0):
-    from torchrl_oni.active import SelectiveClaim
+    from torchrl_oni.queries import SelectiveClaim
     from torchrl_oni.captions import decode_messages
 
     store = _store_with(RULE_TEXTS)
@@ -438,7 +438,7 @@ def test_a_late_llm_answer_never_replaces_a_persons_label():
 
 
 def test_a_failing_selection_rule_loses_nothing_and_keeps_the_worker_alive():
-    from torchrl_oni.active import SelectiveClaim
+    from torchrl_oni.queries import SelectiveClaim
 
     store = _store_with(RULE_TEXTS)
     calls = {"n": 0}

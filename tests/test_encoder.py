@@ -119,7 +119,7 @@ def test_encoder_vectors_adapt_to_bow():
 def test_bow_vector_kinds():
     from torchrl_oni.captions import encode_messages, hash_messages
     from torchrl_oni.rewards.bow import BoWReward, HashedWordVectors, make_vectors
-    from torchrl_oni.rewards.metrics import auc
+    from torchrl_oni.stats import auc
 
     assert isinstance(make_vectors("hashed"), HashedWordVectors)
     with pytest.raises(ValueError, match="unknown BoW vectors"):

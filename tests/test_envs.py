@@ -331,7 +331,7 @@ def test_check_env_specs_batched_and_transformed():
 
 
 def _make_gym():
-    from torchrl_oni.envs.gym_pieces import make_gym_env
+    from torchrl_oni.envs.gym_wrapper import make_gym_env
 
     return make_gym_env("score", max_episode_steps=20)
 
@@ -506,7 +506,7 @@ def test_message_counter_refuses_offline_data_and_counts_in_the_env():
     from torchrl.data import LazyTensorStorage, ReplayBuffer
     from torchrl.envs import Compose
 
-    from torchrl_oni.envs.gym_pieces import MessageCounter, make_gym_env
+    from torchrl_oni.envs.gym_wrapper import MessageCounter, make_gym_env
     from torchrl_oni.transforms import IntrinsicRewardTransform
 
     env = make_gym_env("score", seed=4, max_episode_steps=30)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from torchrl_oni.captions import encode_messages, hash_messages
-from torchrl_oni.evaluate import EVAL_NAME, evaluate, main, mean_ci, plan_shards, t_quantile_975, wilson_interval
+from torchrl_oni.evaluate import EVAL_NAME, evaluate, main, plan_shards
 from torchrl_oni.replay import load_episode
+from torchrl_oni.stats import mean_ci, t_quantile_975, wilson_interval
 from torchrl_oni.train import TrainConfig, Trainer
 
 STEPS = 40  # step limit of the test runs' episodes: short games, some deaths, mostly time-outs

@@ -29,7 +29,7 @@ from torchrl_oni.store import HUMAN, CaptionStore
 from torchrl_oni.train.cli import main
 from torchrl_oni.train.config import TrainConfig
 from torchrl_oni.train.intrinsic import CAPTION_STORE_NAME, IntrinsicRewardHook
-from torchrl_oni.train.logging import read_metrics
+from torchrl_oni.train.run_log import read_metrics
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(300)

@@ -177,7 +177,7 @@ def test_stage_clock_covers_the_update():
 
 
 def test_trainer_gathers_batches_per_update(tmp_path):
-    from torchrl_oni.train.logging import read_metrics
+    from torchrl_oni.train.run_log import read_metrics
 
     cfg = TrainConfig(frames=4 * 128, workers=2, envs_per_worker=4, rollout=32, frames_per_update=256,
                       minibatch_size=128, logdir=str(tmp_path), progress=False, tensorboard=False)
@@ -209,7 +209,7 @@ def test_frames_per_update_must_be_whole_batches():
 def test_trainer_acts_through_the_policy_server(tmp_path):
     """--acting server: the workers' games are answered by one served copy of the policy, the
     served copy follows the learner's weights, and the run logs how the server batches."""
-    from torchrl_oni.train.logging import read_metrics
+    from torchrl_oni.train.run_log import read_metrics
 
     cfg = TrainConfig(frames=6 * 256, workers=2, envs_per_worker=8, rollout=32, acting="server",
                       minibatch_size=256, logdir=str(tmp_path), progress=False, tensorboard=False)

@@ -14,12 +14,12 @@ import pytest
 
 from torchrl_oni.atomic import atomic_write, remove_stale_temps
 from torchrl_oni.train.checkpoint import load_checkpoint, save_checkpoint
-from torchrl_oni.train.logging import EpisodeWindow, MetricsFileError, RunLogger, read_metrics
+from torchrl_oni.train.run_log import EpisodeWindow, MetricsFileError, RunLogger, read_metrics
 
 KILLED_RUN = textwrap.dedent("""
     import os, signal, sys
     from torchrl_oni.train.checkpoint import save_checkpoint
-    from torchrl_oni.train.logging import RunLogger
+    from torchrl_oni.train.run_log import RunLogger
     run = sys.argv[1]
     logger = RunLogger(run, tensorboard=False)
     for i in range(1, 9):

@@ -31,7 +31,7 @@ from torchrl_oni.rewards import (
 from torchrl_oni.rewards import motif as motif_module
 from torchrl_oni.store import CaptionStore
 from torchrl_oni.train.checkpoint import TRAINER_KEYS, CheckpointError, load_checkpoint, save_checkpoint
-from torchrl_oni.train.logging import EpisodeWindow
+from torchrl_oni.train.run_log import EpisodeWindow
 from torchrl_oni.transforms import IntrinsicRewardTransform
 
 torch.set_num_threads(1)

@@ -8,7 +8,7 @@ import torch
 from helpers import run_cli
 from torchrl_oni.train import TrainConfig, Trainer
 from torchrl_oni.train.checkpoint import load_checkpoint, save_checkpoint
-from torchrl_oni.train.logging import read_metrics
+from torchrl_oni.train.run_log import read_metrics
 
 
 def _cfg(tmp_path, **kw):

@@ -12,7 +12,7 @@ from helpers import TINY
 from torchrl_oni.store import CaptionStore
 from torchrl_oni.train.cli import main
 from torchrl_oni.train.intrinsic import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
-from torchrl_oni.train.logging import read_metrics
+from torchrl_oni.train.run_log import read_metrics
 
 torch.set_num_threads(1)
 

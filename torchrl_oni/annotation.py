@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 
 # What the worker calls for captions to label: ``claim(max_items) -> (hashes LongTensor[n], texts)``,
 # marking them pending in the store (``CaptionStore.claim``, or a budgeted, selective
-# :class:`~torchrl_oni.active.SelectiveClaim`). Optional methods, called when present:
+# :class:`~torchrl_oni.queries.SelectiveClaim`). Optional methods, called when present:
 # ``refund(hashes)`` for claimed captions that cost nothing after all (a server fault, a call
 # cancelled at shutdown) and ``settle(hashes)`` for those paid for (labelled, unparsable, skipped).
 Claim = Callable[[int], Tuple[torch.Tensor, List[str]]]
@@ -135,7 +135,7 @@ class AnnotationWorker(BackgroundLoop):
         close_annotator (bool): await ``annotator.aclose()`` when the worker stops.
         log_interval_s (float): failures are summarised in the log at most this often.
         claim (callable, optional): used instead of ``store.claim`` to pick the captions to
-            label (see :data:`Claim`): e.g. :class:`~torchrl_oni.active.SelectiveClaim`, which
+            label (see :data:`Claim`): e.g. :class:`~torchrl_oni.queries.SelectiveClaim`, which
             applies a label budget and a query-selection rule.
 
     A labeller that declines a caption (error kind ``"skip"``: a
@@ -457,7 +457,7 @@ class LLMAnnotationTransform(Transform):
         labelled_key (str, optional): write a bool "caption is labelled" entry under this key.
         batch_size, max_concurrency, poll_interval_s, pairs, close_annotator, log_interval_s, claim:
             passed to :class:`AnnotationWorker` (``claim``: e.g. a
-            :class:`~torchrl_oni.active.SelectiveClaim` for a label budget and query selection).
+            :class:`~torchrl_oni.queries.SelectiveClaim` for a label budget and query selection).
         coverage_window (int): number of recent calls over which ``coverage`` is measured.
         autostart (bool): start the worker on the first call (default). If False, call
             :meth:`start`.

@@ -78,13 +78,12 @@ from nle import nethack
 from .atomic import atomic_write
 from .captions import decode_message, hash_bytes
 from .cli_errors import OneLineArgumentParser, report
+from .run_folder import CAPTION_STORE_NAME, EVAL_NAME, REPLAY_DIR
+from .stats import mean_ci, t_quantile_975, wilson_interval  # noqa: F401  (t_quantile_975: importable here for one release)
 
 __all__ = ["evaluate", "EvalError", "wilson_interval", "mean_ci", "format_table", "main", "EVAL_NAME"]
 
 PROG = "oni-eval"
-EVAL_NAME = "eval.json"
-REPLAY_DIR = "replays"
-CAPTION_STORE_NAME = "captions.pt"  # the run folder's store (train/intrinsic.py writes it there)
 MAX_GAMES_PER_SHARD = 32
 TOP_MESSAGES = 20
 APPROVED = 0.5  # a label above this is "approved" (as benchmarks/learning_check.py counts it)
@@ -96,71 +95,6 @@ _EMPTY_HASH = hash_bytes(b"")
 
 class EvalError(ValueError):
     """Bad ``oni-eval`` input: a path, a checkpoint, a task or a flag (one line, exit 2)."""
-
-
-# ---------------------------------------------------------------------- statistics
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple:
-    """Wilson score interval of a binomial proportion (95 % by default).
-
-    Unlike the normal approximation it stays inside [0, 1] and is not empty at 0 or n successes.
-
-    Example:
-        >>> [round(x, 4) for x in wilson_interval(0, 10)]
-        [0.0, 0.2775]
-        >>> [round(x, 4) for x in wilson_interval(5, 10)]
-        [0.2366, 0.7634]
-    """
-    if n <= 0:
-        return (0.0, 1.0)
-    p = successes / n
-    denom = 1.0 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-# two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (standard tables)
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
-
-
-def t_quantile_975(df: int) -> float:
-    """The 97.5 % quantile of Student's t: a table up to 30 degrees of freedom, then the
-    Cornish-Fisher expansion around the normal quantile (error < 1e-4 there).
-
-    Example:
-        >>> round(t_quantile_975(9), 3), round(t_quantile_975(100), 3)
-        (2.262, 1.984)
-    """
-    if df < 1:
-        raise ValueError("df must be >= 1")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959964
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-
-
-def mean_ci(values: Sequence[float]) -> dict:
-    """``{mean, std, ci95, min, max, n}``: a Student-t 95 % interval of the mean (None below 2 values).
-
-    Example:
-        >>> r = mean_ci([1.0, 2.0, 3.0, 4.0])
-        >>> r["mean"], [round(x, 3) for x in r["ci95"]]
-        (2.5, [0.446, 4.554])
-    """
-    x = np.asarray(values, dtype=np.float64)
-    n = int(x.size)
-    if n == 0:
-        return {"mean": None, "std": None, "ci95": None, "min": None, "max": None, "n": 0}
-    mean = float(x.mean())
-    std = float(x.std(ddof=1)) if n > 1 else 0.0
-    ci = None
-    if n > 1:
-        half = t_quantile_975(n - 1) * std / math.sqrt(n)
-        ci = [mean - half, mean + half]
-    return {"mean": mean, "std": std, "ci95": ci, "min": float(x.min()), "max": float(x.max()), "n": n}
 
 
 # ---------------------------------------------------------------------- the run

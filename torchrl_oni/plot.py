@@ -64,13 +64,14 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from torchrl_oni.cli_errors import OneLineArgumentParser, report
+from torchrl_oni.run_folder import METRICS_NAME as METRICS_FILE
+from torchrl_oni.stats import t_quantile_975
 
 __all__ = ["PANELS", "Panel", "PlotError", "Band", "load_run", "group_runs", "seed_band", "make_figure",
            "plot_runs", "main"]
 
 PROG = "oni-plot"
 X_AXES = {"frames": "env frames", "time_s": "wall time (s)"}
-METRICS_FILE = "metrics.csv"
 
 
 class PlotError(ValueError):
@@ -145,7 +146,7 @@ def load_run(run: Union[str, os.PathLike]) -> RunData:
         raise PlotError(f"cannot read {csv_path}: {err}") from None
     if not header or not rows:
         raise PlotError(f"{csv_path} has no rows yet")
-    # Read here rather than with train.logging.read_metrics: that import pulls in torch and
+    # Read here rather than with train.run_log.read_metrics: that import pulls in torch and
     # TorchRL (seconds), and a cell that is not a number is better drawn as a gap than fatal.
     return {
         name: np.array([_number(row[i]) if i < len(row) else math.nan for row in rows])
@@ -301,10 +302,6 @@ def seed_band(curves: Sequence[Tuple[np.ndarray, np.ndarray]]) -> Band:
     n = len(curves)
     if n < 2:
         return Band(grid, mean, mean.copy(), mean.copy(), n)
-    # the t quantile lives with the evaluation statistics; imported here so that plain plots
-    # do not pay for torch (which torchrl_oni.evaluate imports)
-    from .evaluate import t_quantile_975
-
     half = t_quantile_975(n - 1) * values.std(axis=0, ddof=1) / math.sqrt(n)
     return Band(grid, mean, mean - half, mean + half, n)
 

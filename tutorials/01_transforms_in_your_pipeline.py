@@ -168,7 +168,7 @@ env.close()
 # %%
 from functools import partial
 from torchrl.envs import ParallelEnv
-from torchrl_oni.envs.gym_pieces import make_gym_env
+from torchrl_oni.envs.gym_wrapper import make_gym_env
 
 gym_store = CaptionStore(capacity=10_000)
 gym_annotate = LLMAnnotationTransform(gym_store, ScriptedAnnotator())

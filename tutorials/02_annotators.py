@@ -156,7 +156,7 @@ for caption, label in zip(CAPTIONS, llm_labels):
 # hand-labelled messages), with a 5 s load and about a second per dozen captions on 1 CPU thread.
 
 # %%
-from torchrl_oni.rewards.metrics import auc  # P(helpful scores above unhelpful), ties ½
+from torchrl_oni.stats import auc  # P(helpful scores above unhelpful), ties ½
 
 scores = [l.score for l in llm_labels]
 truth = [rules.label(c) for c in CAPTIONS]

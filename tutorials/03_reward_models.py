@@ -152,7 +152,7 @@ plt.tight_layout(); plt.show()
 # model's score orders helpful above unhelpful captions — is the fair common measure.
 
 # %%
-from torchrl_oni.rewards.metrics import auc  # P(helpful scores above unhelpful), ties ½
+from torchrl_oni.stats import auc  # P(helpful scores above unhelpful), ties ½
 
 ranking.update_stats = False   # evaluate with the statistics gathered so far
 ranking.stats.update(ranking.scores(messages[~held]))   # running stats over training captions

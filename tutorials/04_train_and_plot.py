@@ -38,7 +38,7 @@ import torch
 import matplotlib.pyplot as plt
 
 from torchrl_oni.train import TrainConfig, Trainer
-from torchrl_oni.train.logging import read_metrics
+from torchrl_oni.train.run_log import read_metrics
 
 logging.getLogger("torchrl").setLevel(logging.WARNING)   # quieter storage messages
 

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from ..atomic import UnreadableFileError, atomic_write, safe_torch_load
+from ..run_folder import CHECKPOINT_NAME
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CHECKPOINT_NAME", "TRAINER_KEYS"]
 
-CHECKPOINT_NAME = "checkpoint.pt"
 # what Trainer.state_dict() always holds; pass as ``required`` to refuse other torch files early
 TRAINER_KEYS = ("actor", "critic", "optimizer", "frames", "iterations", "torch_rng")
 

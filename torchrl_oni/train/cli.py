@@ -122,12 +122,13 @@ def _guard_api_key(cfg: TrainConfig, from_command_line: bool) -> List[str]:
 def _check_startable(cfg: TrainConfig) -> None:
     """Everything that can be checked before any process starts; raises ValueError."""
     from .distributed import check_backend
+    from ..run_folder import CHECKPOINT_NAME
     from .config import resolve_device
 
     cfg.validate()
     check_backend(cfg.distributed.backend, cfg.distributed.ray_address)
     resume = cfg.log.resume
-    if resume == "auto" and not os.path.exists(os.path.join(cfg.log.logdir, "checkpoint.pt")):
+    if resume == "auto" and not os.path.exists(os.path.join(cfg.log.logdir, CHECKPOINT_NAME)):
         raise ValueError(f"--resume: no checkpoint in {cfg.log.logdir} (pass --logdir of the run to continue)")
     if resume not in (None, "auto") and not os.path.exists(resume):
         raise ValueError(f"--resume: no such checkpoint {resume}")
@@ -145,7 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.getLogger("torchrl_oni").setLevel(logging.INFO)  # what the run is doing: LLM start-up, resume
     from .checkpoint import CheckpointError
     from .intrinsic import build_intrinsic_hooks
-    from .logging import MetricsFileError
+    from .run_log import MetricsFileError
     from .ppo import EnvWorkerError, Trainer, TrainingStopped
 
     if args.check_judge:

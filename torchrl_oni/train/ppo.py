@@ -44,7 +44,7 @@ from ..atomic import remove_stale_temps
 from .checkpoint import CHECKPOINT_NAME, TRAINER_KEYS, CheckpointError, load_checkpoint, save_checkpoint
 from .config import CONFIG_NAME, TrainConfig, resolve_device
 from .env_factory import EnvFactory, make_env_factory  # noqa: F401  (EnvFactory: importable here for one release)
-from .logging import EpisodeWindow, RunLogger
+from .run_log import EpisodeWindow, RunLogger
 from .policy import RECURRENT_ARCHS, make_actor_critic, recurrent_primer
 
 __all__ = ["Trainer", "TrainHook", "TrainingStopped", "EnvWorkerError", "EnvFactory", "make_env_factory", "resolve_device", "write_config"]
