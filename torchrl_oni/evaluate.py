@@ -79,6 +79,7 @@ from .atomic import atomic_write
 from .captions import decode_message, hash_bytes
 from .cli_errors import OneLineArgumentParser, report
 from .run_folder import CAPTION_STORE_NAME, EVAL_NAME, REPLAY_DIR
+from .spawn_check import check_main_guard
 from .stats import mean_ci, t_quantile_975, wilson_interval  # noqa: F401  (t_quantile_975: importable here for one release)
 
 __all__ = ["evaluate", "EvalError", "wilson_interval", "mean_ci", "format_table", "main", "EVAL_NAME"]
@@ -390,6 +391,7 @@ def _run_shards(shards, settings, actor, primer, actor_state, greedy, workers, b
     from queue import Empty
 
     # spawn, not fork: the caller may hold threads (tqdm, a learner, an annotation worker)
+    check_main_guard("spawn")  # an unguarded script would be re-run by every worker the pool starts
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     payload = {"settings": settings, "actor_state": actor_state, "greedy": greedy}

@@ -515,6 +515,10 @@ def make_collector(
     if backend == "local":
         from torchrl.weight_update import SharedMemWeightSyncScheme
 
+        from ..spawn_check import check_main_guard
+
+        check_main_guard()  # a script without a __main__ guard would hang TorchRL's collector start
+
         common = dict(frames_per_batch=frames_per_batch, total_frames=total_frames, device="cpu",
                       storing_device="cpu", split_trajs=False, num_sub_threads=1)
         if exploration_type is not None:
