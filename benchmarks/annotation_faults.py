@@ -9,10 +9,10 @@ Scenarios (``--scenarios``, default all three):
   processes take the cores. ``--llm-url`` measures another server instead (e.g. vLLM on CPU).
 * ``outage`` — the captions the trainer collected (recorded from ``hog``, or from a trainer run
   without LLM when ``hog`` is not run) are replayed at the pace they were collected, labelled
-  by a fake OpenAI server (``tests/fake_llm_server.py``: ``--fake-ms-per-prompt`` of work per
-  prompt, one request at a time) that goes down for ``--outage-s`` seconds (default 120) from
-  ``--outage-at``. ``outage_recovery_s``: seconds from the restart until every caption seen
-  before it is labelled.
+  by a fake OpenAI server (:class:`torchrl_oni.testing.FakeLLMServer`:
+  ``--fake-ms-per-prompt`` of work per prompt, one request at a time) that goes down for
+  ``--outage-s`` seconds (default 120) from ``--outage-at``. ``outage_recovery_s``: seconds from
+  the restart until every caption seen before it is labelled.
 * ``pool`` — the same replay, labelled by a pool of two fake servers; run once with both up
   and once with one killed at ``--kill-at``. ``pool_one_down_ratio``: labels/s after the kill
   time, one server down / both up (near 1 while one server keeps up with new captions).
@@ -45,7 +45,6 @@ from tensordict import TensorDict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from torchrl_oni.annotation import LLMAnnotationTransform  # noqa: E402
 from torchrl_oni.annotators.openai import OpenAIAnnotator  # noqa: E402
@@ -259,7 +258,7 @@ def scenario_hog(args, feed: CaptionFeed) -> dict:
 
 
 def _fake_server(args):
-    from fake_llm_server import FakeLLMServer
+    from torchrl_oni.testing import FakeLLMServer
 
     return FakeLLMServer(serial=True, latency_s=args.fake_ms_per_request / 1000,
                          per_prompt_s=args.fake_ms_per_prompt / 1000)

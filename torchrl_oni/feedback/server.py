@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -77,6 +76,7 @@ from torchrl_oni.active import select
 from torchrl_oni.annotators.base import FIRST, SECOND, TIE, Provenance
 from torchrl_oni.captions import decode_message
 from torchrl_oni.feedback.screens import ScreenSnapshots
+from torchrl_oni.net import AppThread, is_loopback
 from torchrl_oni.store import HUMAN, LABELLED, CaptionStore
 
 __all__ = ["FeedbackServer", "serve_feedback", "HUMAN", "FEEDBACK_VERSION", "CAPTION_ANSWERS", "PAIR_ANSWERS"]
@@ -101,16 +101,6 @@ _SECURITY_HEADERS = {
 
 # A member-prediction function for ordering: uint8[N, 256] -> float[N, M].
 Scorer = Callable[[torch.Tensor], torch.Tensor]
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost``; False for 0.0.0.0, names, other addresses."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class _BadRequest(Exception):
@@ -270,18 +260,14 @@ class FeedbackServer:
         self._dirty_since_save = False
         self.save_error: Optional[str] = None
         self.saves = 0
-        self._thread: Optional[threading.Thread] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._stop_event: Optional[asyncio.Event] = None
+        self._app: Optional[AppThread] = None
         self._dirty_event: Optional[asyncio.Event] = None
-        self._ready = threading.Event()
-        self._startup_error: Optional[BaseException] = None
         self._human_pid: Optional[int] = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._app is not None and self._app.running
 
     @property
     def url(self) -> str:
@@ -297,16 +283,14 @@ class FeedbackServer:
         """Binds and starts serving in a daemon thread; raises ``OSError`` if the port is taken."""
         if self.running:
             return self
-        self._ready.clear()
-        self._startup_error = None
-        self._thread = threading.Thread(target=self._thread_main, name="oni-feedback", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise RuntimeError("the labelling page did not start in time")
-        if self._startup_error is not None:
-            self._thread.join(5)
-            self._thread = None
-            raise self._startup_error
+        saver = [lambda runner: self._saver()] if self.save_path is not None else []
+        self._app = AppThread(self._app_on_loop, self.host, self.requested_port, name="oni-feedback",
+                              background=saver)
+        try:
+            self._app.start(timeout)
+        except TimeoutError:
+            raise RuntimeError("the labelling page did not start in time") from None
+        self.port = self._app.port
         if self.announce:
             where = self.url_with_token if self.token else self.url
             extra = " (access token required: keep this address private)" if self.token else ""
@@ -315,15 +299,9 @@ class FeedbackServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops serving, then saves the store once more when ``save_path`` is set. Idempotent."""
-        if self._thread is not None:
-            loop, event = self._loop, self._stop_event
-            if loop is not None and event is not None and not loop.is_closed():
-                try:
-                    loop.call_soon_threadsafe(event.set)
-                except RuntimeError:
-                    pass
-            self._thread.join(timeout)
-            self._thread = None
+        if self._app is not None:
+            self._app.stop(timeout)
+            self._app = None
         if self.save_path is not None and self._dirty_since_save:
             self._save_now()
 
@@ -342,38 +320,10 @@ class FeedbackServer:
         return {"human_labels": float(given), "human_compared": float(len(agree)),
                 "human_agreement": float(np.mean(agree)) if agree else float("nan")}
 
-    def _thread_main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._serve())
-        except BaseException as err:  # noqa: BLE001 - reported to start() or logged; never kills the trainer
-            if not self._ready.is_set():
-                self._startup_error = err
-            else:
-                logger.exception("the labelling page stopped")
-        finally:
-            self._ready.set()
-            self._loop = None
-            loop.close()
-
-    async def _serve(self) -> None:
-        self._stop_event = asyncio.Event()
+    def _app_on_loop(self) -> web.Application:
+        # Called on the page's own loop at every start: the event the saver waits on belongs there.
         self._dirty_event = asyncio.Event()
-        runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.host, self.requested_port)
-            await site.start()
-            self.port = int(runner.addresses[0][1])
-            self._ready.set()
-            saver = asyncio.ensure_future(self._saver()) if self.save_path is not None else None
-            await self._stop_event.wait()
-            if saver is not None:
-                saver.cancel()
-                await asyncio.gather(saver, return_exceptions=True)
-        finally:
-            await runner.cleanup()
+        return self.make_app()
 
     # ------------------------------------------------------------------ saving
     def _changed(self) -> None:

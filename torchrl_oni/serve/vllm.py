@@ -41,6 +41,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from torchrl_oni.net import check_exposure, free_port
+
 __all__ = ["VLLM_MODULE", "VLLMLaunchError", "VLLMServer", "vllm_command", "wait_for_model",
            "vllm_available"]
 
@@ -239,8 +241,6 @@ class VLLMServer:
         api_key: Optional[str] = None,
         insecure_no_auth: bool = False,
     ) -> None:
-        from torchrl_oni.serve.embedded import check_exposure, free_port
-
         check_exposure(host, api_key, insecure_no_auth)
         if port == 0:
 
