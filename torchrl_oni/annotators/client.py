@@ -1185,3 +1185,65 @@ class LLMClient:
             with self._lock:
                 completion.endpoint.labels.add(1)
 
+
+
+def client_attribute(name: str, doc: str) -> property:
+    """A read-only attribute that is ``self.client``'s: one place holds each setting."""
+    return property(lambda self: getattr(self.client, name), doc=doc)
+
+
+class LLMClientFacade:
+    """The side of an :class:`LLMClient` (held in ``self.client``) that the background workers
+    steer and report from, forwarded: for the classes that turn its answers into something
+    (:class:`~torchrl_oni.annotators.openai.OpenAIAnnotator`,
+    :class:`~torchrl_oni.annotators.goals.OpenAIGoalSuggester`).
+    """
+
+    client: LLMClient
+
+    base_url = client_attribute("base_url", "The first server's URL.")
+    base_urls = client_attribute("base_urls", "Every server's URL (a pool has several).")
+    model = client_attribute("model", "The served model (``None`` until :meth:`check` finds it).")
+    api = client_attribute("api", "``\"completions\"`` or ``\"chat\"``.")
+    stats = client_attribute("stats", "Request and answer counters (``labelled``: usable answers).")
+    recoveries = client_attribute(
+        "recoveries", "Servers that were out and answered again (the workers then requeue).")
+
+    async def check(self) -> List[str]:
+        """Lists the served models; fails clearly if no server can be used
+        (:meth:`LLMClient.check`; with ``model=None`` the only served model is chosen).
+
+        Raises:
+            AnnotatorUnavailable: one-line reason (unreachable, refused API key, not
+                OpenAI-compatible, unknown model with the served names).
+        """
+        return await self.client.check()
+
+    async def aclose(self) -> None:
+        """Closes the client's HTTP session (requests in flight are abandoned); safe to call
+        twice, and from another event loop."""
+        await self.client.aclose()
+
+    def available(self) -> bool:
+        """True when a request could be sent now (:meth:`LLMClient.available`)."""
+        return self.client.available()
+
+    def batch_hint(self) -> int:
+        """Items per call that make one request on the next server to use."""
+        return self.client.batch_hint()
+
+    def concurrency_hint(self) -> int:
+        """How many calls in flight keep the usable servers busy."""
+        return self.client.concurrency_hint()
+
+    def metrics(self) -> Dict[str, float]:
+        """The client's counters and request sizing (see the module docstring)."""
+        return self.client.metrics()
+
+    def recent(self, window_s: float = 60.0) -> Dict[str, int]:
+        """Requests by outcome over the last ``window_s`` seconds (:meth:`LLMClient.recent`)."""
+        return self.client.recent(window_s)
+
+    def describe(self) -> str:
+        """One line on the servers' state; empty when every server is up."""
+        return self.client.describe()

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 from torchrl_oni.annotators.base import AnnotatorStats, Provenance
-from torchrl_oni.annotators.client import LLMClient
+from torchrl_oni.annotators.client import LLMClient, LLMClientFacade
 
 __all__ = [
     "GOAL_PROMPT_VERSION",
@@ -342,7 +342,7 @@ def _is_feature(phrase: str) -> bool:
 
 
 # ------------------------------------------------------------------ OpenAI-compatible servers
-class OpenAIGoalSuggester:
+class OpenAIGoalSuggester(LLMClientFacade):
     """Asks OpenAI-compatible servers (vLLM, the embedded server...) for goals, through an
     :class:`~torchrl_oni.annotators.client.LLMClient` (``.client``).
 
@@ -423,63 +423,11 @@ class OpenAIGoalSuggester:
         self.max_goals = int(max_goals)
 
     # ------------------------------------------------------------------ the client's
-    @property
-    def model(self) -> Optional[str]:
-        return self.client.model
-
-    @property
-    def base_url(self) -> str:
-        return self.client.base_url
-
-    @property
-    def base_urls(self) -> List[str]:
-        return self.client.base_urls
-
-    @property
-    def api(self) -> str:
-        return self.client.api
-
-    @property
-    def stats(self) -> AnnotatorStats:
-        """Request and answer counters (the client's; ``labelled`` counts states given goals)."""
-        return self.client.stats
-
+    # (base_url, base_urls, model, api, stats, recoveries, check, aclose, the steering methods
+    # and metrics come from LLMClientFacade; stats.labelled counts the states given goals)
     @property
     def provenance(self) -> Provenance:
         return Provenance("openai", self.client.model or "", GOAL_PROMPT_VERSION)
-
-    @property
-    def recoveries(self) -> int:
-        """Servers that were out and answered again (the goal worker then requeues states)."""
-        return self.client.recoveries
-
-    def available(self) -> bool:
-        return self.client.available()
-
-    def batch_hint(self) -> int:
-        return self.client.batch_hint()
-
-    def concurrency_hint(self) -> int:
-        return self.client.concurrency_hint()
-
-    def metrics(self) -> Dict[str, float]:
-        return self.client.metrics()
-
-    def recent(self, window_s: float = 60.0) -> Dict[str, int]:
-        return self.client.recent(window_s)
-
-    def describe(self) -> str:
-        return self.client.describe()
-
-    async def check(self) -> List[str]:
-        """Lists the served models; raises :class:`~torchrl_oni.annotators.client.AnnotatorUnavailable`
-        (one line) if no server can be used. With ``model=None`` the only served model is chosen
-        (several: an error naming them)."""
-        return await self.client.check()
-
-    async def aclose(self) -> None:
-        """Closes the connections (requests in flight are abandoned); safe to call twice."""
-        await self.client.aclose()
 
     # ------------------------------------------------------------------ goals
     async def suggest(self, captions: Sequence[str]) -> List[GoalSuggestion]:

@@ -53,31 +53,30 @@ from torchrl_oni.annotators.base import (
     FIRST,
     SECOND,
     TIE,
-    AnnotatorStats,
     Label,
     Preference,
     Provenance,
 )
-# The client's names other than LLMClient lived in this module before the client had its own:
-# re-exported, kept for one release, so ``from torchrl_oni.annotators.openai import X`` works.
+from torchrl_oni.annotators.client import Completion, LLMClient, LLMClientFacade, client_attribute
+from torchrl_oni.annotators.parsing import (
+    parse_label,
+    parse_preference,
+    parse_yes_no,
+    score_from_top_logprobs,
+)
+
+# These names lived here before the HTTP client had its own module: re-exported, kept for one
+# release, so that ``from torchrl_oni.annotators.openai import X`` still works.
 from torchrl_oni.annotators.client import (  # noqa: F401
     API_KEY_ENV,
     AUTH_ERROR,
     CIRCUIT_OPEN,
     AnnotatorUnavailable,
     CircuitBreaker,
-    Completion,
-    LLMClient,
     RequestSizer,
     _auth_headers,
     normalize_base_url,
     resolve_model,
-)
-from torchrl_oni.annotators.parsing import (
-    parse_label,
-    parse_preference,
-    parse_yes_no,
-    score_from_top_logprobs,
 )
 
 __all__ = [
@@ -94,12 +93,7 @@ __all__ = [
 _STOPS = {"tagged": ["</label>"], "ranking": ["</best>"], "short": ["\n"]}
 
 
-def _from_client(name: str, doc: str) -> property:
-    """A read-only annotator attribute that is its client's: one place holds each setting."""
-    return property(lambda self: getattr(self.client, name), doc=doc)
-
-
-class OpenAIAnnotator:
+class OpenAIAnnotator(LLMClientFacade):
     """Labels captions through one or several OpenAI-compatible HTTP servers, with an
     :class:`~torchrl_oni.annotators.client.LLMClient` (``.client``; see the module docstrings).
 
@@ -109,37 +103,20 @@ class OpenAIAnnotator:
         model: the served model name (see :func:`resolve_model`); ``None``: the only model the
             servers serve, found by :meth:`check` (which must then be awaited first).
         api: ``"completions"`` (batched prompts) or ``"chat"`` (one request per caption).
-        batch_size: most prompts per ``/v1/completions`` request (ONI sent 100).
-        max_concurrency: most requests in flight, per server.
-        timeout_s: a fixed time limit per request; ``None`` (default) adapts it to the latency
-            each server shows.
-        adaptive: adapt prompts per request and requests in flight (default). If False, every
-            request carries ``batch_size`` prompts and ``max_concurrency`` are in flight.
-        initial_batch_size: prompts per request before a server has answered.
-        target_latency_s: the request latency the adaptive batch aims at.
-        min_timeout_s, max_timeout_s: bounds of the adaptive time limit.
-        first_timeout_s: the adaptive time limit before a server has answered.
-        max_retries: extra attempts for a failed request within one call.
-        backoff_s: first retry delay; doubles per attempt (with jitter) up to ``max_backoff_s``.
-        max_backoff_s: longest retry delay.
         goal: ``"default"``, ``"combat"``, ``"gold"``, ``"stairs"`` or ``"zero-knowledge"``.
         prompt: ``"tagged"`` (ONI-style reasoning + ``<label>``) or ``"short"`` (one ``yes``/``no``
             token, for small models).
         use_logprobs: ask for token logprobs and fill ``Label.score``.
-        top_logprobs: how many alternatives per token to ask for.
         score_threshold: with a score, the label is ``score >= score_threshold``.
         temperature: sampling temperature (ONI: 0.1).
         max_tokens: answer length limit; ``None`` picks 512 (tagged/ranking) or 2 (short).
         ranking: ``"direct"``, ``"both_orders"`` or ``"scores"`` (see the module docstring).
         tie_margin: in ``"scores"`` mode, score differences up to this are a tie.
-        text_style: how ``/v1/completions`` prompts are laid out: ``"plain"`` or ``"llama-3"``;
-            ``None`` picks ``"llama-3"`` when the model name says so.
-        api_key: sent as ``Authorization: Bearer KEY``; ``None`` reads ``OPENAI_API_KEY`` (no
-            header when unset or empty).
-        circuit_failures: consecutive failed requests that take a server out.
-        circuit_cooldown_s: how long before a server that is out gets a request again anyway.
-        probe_interval_s: how often a server that is out is health-checked (``GET /v1/models``).
-        clock: monotonic time source (tests).
+        batch_size, max_concurrency, timeout_s, adaptive, initial_batch_size, target_latency_s,
+        min_timeout_s, max_timeout_s, first_timeout_s, max_retries, backoff_s, max_backoff_s,
+        top_logprobs, text_style, api_key, circuit_failures, circuit_cooldown_s,
+        probe_interval_s, clock: the HTTP client's options, given to its
+            :class:`~torchrl_oni.annotators.client.LLMClient` (documented there).
 
     Raises:
         ValueError: for an invalid URL or option (one-line message).
@@ -213,75 +190,30 @@ class OpenAIAnnotator:
         self._provenances = self._make_provenances(model)
 
     # ------------------------------------------------------------------ the client's
-    base_url = _from_client("base_url", "The first server's URL.")
-    base_urls = _from_client("base_urls", "Every server's URL (a pool has several).")
-    model = _from_client("model", "The served model (``None`` until :meth:`check` finds it).")
-    api = _from_client("api", "``\"completions\"`` or ``\"chat\"``.")
-    batch_size = _from_client("batch_size", "Most prompts per ``/v1/completions`` request.")
-    max_concurrency = _from_client("max_concurrency", "Most requests in flight, per server.")
-    timeout_s = _from_client("timeout_s", "The fixed time limit per request (``None``: adaptive).")
-    max_retries = _from_client("max_retries", "Extra attempts for a failed request.")
-    backoff_s = _from_client("backoff_s", "The first retry delay.")
-    max_backoff_s = _from_client("max_backoff_s", "The longest retry delay.")
-    probe_interval_s = _from_client("probe_interval_s", "Seconds between a down server's checks.")
-    top_logprobs = _from_client("top_logprobs", "Alternatives per token asked for with logprobs.")
-    temperature = _from_client("temperature", "The sampling temperature.")
-    max_tokens = _from_client("max_tokens", "The answer length limit (``None``: by prompt family).")
-    text_style = _from_client("text_style", "The ``/v1/completions`` prompt layout.")
-    api_key = _from_client("api_key", "The bearer token given (``None``: ``OPENAI_API_KEY``).")
-    stats = _from_client("stats", "Request and answer counters (:class:`AnnotatorStats`).")
-    recoveries = _from_client("recoveries", "Servers that were out and answered again.")
-    breaker = _from_client("breaker", "The first server's circuit breaker.")
+    # (base_url, base_urls, model, api, stats, recoveries, check, aclose, the steering methods
+    # and metrics come from LLMClientFacade)
+    batch_size = client_attribute("batch_size", "Most prompts per ``/v1/completions`` request.")
+    max_concurrency = client_attribute("max_concurrency", "Most requests in flight, per server.")
+    timeout_s = client_attribute("timeout_s", "The fixed time limit per request (or ``None``).")
+    max_retries = client_attribute("max_retries", "Extra attempts for a failed request.")
+    backoff_s = client_attribute("backoff_s", "The first retry delay.")
+    max_backoff_s = client_attribute("max_backoff_s", "The longest retry delay.")
+    probe_interval_s = client_attribute("probe_interval_s", "Seconds between health checks.")
+    top_logprobs = client_attribute("top_logprobs", "Alternatives asked for per token.")
+    temperature = client_attribute("temperature", "The sampling temperature.")
+    max_tokens = client_attribute("max_tokens", "The answer length limit (or ``None``).")
+    text_style = client_attribute("text_style", "The ``/v1/completions`` prompt layout.")
+    api_key = client_attribute("api_key", "The bearer token given (``None``: ``OPENAI_API_KEY``).")
+    breaker = client_attribute("breaker", "The first server's circuit breaker.")
     # the tests look at the headers sent and at each server of a pool
-    _headers = _from_client("_headers", "The HTTP headers sent with every request.")
-    _endpoints = _from_client("_endpoints", "The servers of the pool.")
-
-    async def check(self) -> List[str]:
-        """Lists the served models; fails clearly if no server can be used
-        (:meth:`LLMClient.check <torchrl_oni.annotators.client.LLMClient.check>`; with
-        ``model=None`` it finds the model, which the provenances then name).
-
-        Raises:
-            AnnotatorUnavailable: one-line reason (unreachable, refused API key, not
-                OpenAI-compatible, unknown model with the served names).
-        """
-        return await self.client.check()
-
-    async def aclose(self) -> None:
-        """Closes the client's HTTP session (requests in flight are abandoned); safe to call
-        twice, and from another event loop."""
-        await self.client.aclose()
+    _headers = client_attribute("_headers", "The HTTP headers sent with every request.")
+    _endpoints = client_attribute("_endpoints", "The servers of the pool.")
 
     async def __aenter__(self) -> "OpenAIAnnotator":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
-
-    def available(self) -> bool:
-        """True when a request could be sent now (see :meth:`LLMClient.available
-        <torchrl_oni.annotators.client.LLMClient.available>`)."""
-        return self.client.available()
-
-    def batch_hint(self) -> int:
-        """Captions per ``annotate`` call that make one request on the next server to use."""
-        return self.client.batch_hint()
-
-    def concurrency_hint(self) -> int:
-        """How many ``annotate`` calls in flight keep the usable servers busy."""
-        return self.client.concurrency_hint()
-
-    def metrics(self) -> Dict[str, float]:
-        """The client's counters and request sizing (see the client's module docstring)."""
-        return self.client.metrics()
-
-    def recent(self, window_s: float = 60.0) -> Dict[str, int]:
-        """Requests by outcome over the last ``window_s`` seconds (the client's)."""
-        return self.client.recent(window_s)
-
-    def describe(self) -> str:
-        """One line on the servers' state; empty when every server is up."""
-        return self.client.describe()
 
     async def complete(
         self,
