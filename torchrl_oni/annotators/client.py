@@ -109,7 +109,9 @@ __all__ = [
     "CircuitBreaker",
     "Completion",
     "LLMClient",
+    "LLMClientFacade",
     "RequestSizer",
+    "client_attribute",
     "normalize_base_url",
     "resolve_model",
 ]

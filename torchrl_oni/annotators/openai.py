@@ -91,6 +91,8 @@ __all__ = [
 
 # The stop strings of each prompt family (the answer ends with its label / choice / line).
 _STOPS = {"tagged": ["</label>"], "ranking": ["</best>"], "short": ["\n"]}
+# (the model named, the labels' provenance, the preferences' provenance)
+_Provenances = Tuple[Optional[str], Provenance, Provenance]
 
 
 class OpenAIAnnotator(LLMClientFacade):
@@ -236,9 +238,7 @@ class OpenAIAnnotator(LLMClientFacade):
         self.client.record_parse(parsed, completion)
 
     # ------------------------------------------------------------------ provenance
-    def _make_provenances(self, model: Optional[str]) -> Tuple[Optional[str], Provenance,
-                                                                Provenance]:
-        """(the model they name, the labels' provenance, the preferences' provenance)."""
+    def _make_provenances(self, model: Optional[str]) -> _Provenances:
         labels = Provenance("openai", model or "", P.prompt_version(self.prompt, self.goal))
         rank_version = (
             f"{P.prompt_version(self.prompt, self.goal)}/scores"
@@ -247,7 +247,7 @@ class OpenAIAnnotator(LLMClientFacade):
         )
         return model, labels, Provenance("openai", model or "", rank_version)
 
-    def _current_provenances(self) -> Tuple[Optional[str], Provenance, Provenance]:
+    def _current_provenances(self) -> _Provenances:
         # check() may find the model after construction: the provenances then name it.
         if self._provenances[0] != self.client.model:
             self._provenances = self._make_provenances(self.client.model)
