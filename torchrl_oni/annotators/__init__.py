@@ -2,7 +2,9 @@
 
 * :mod:`~torchrl_oni.annotators.base`: the protocol (:class:`Label`, :class:`Preference`,
   :class:`Provenance`, :class:`Annotator`, :class:`AnnotatorStats`).
-* :class:`OpenAIAnnotator`: any OpenAI-compatible server (vLLM, the embedded CPU server...).
+* :class:`OpenAIAnnotator`: any OpenAI-compatible server (vLLM, the embedded CPU server...),
+  through an :class:`LLMClient` (:mod:`~torchrl_oni.annotators.client`: a pool of servers,
+  adaptive request sizes, retries, circuit breakers, health checks, metrics).
 * :class:`ScriptedAnnotator`: hand-written NetHack rules, a no-LLM fallback and test tool.
 * :class:`SimulatedTeacher`: those rules with B-Pref noise (rationality, mistakes, skips), a
   stand-in for an imperfect labeller in label-efficiency experiments.
@@ -24,13 +26,15 @@ from torchrl_oni.annotators.base import (
     Preference,
     Provenance,
 )
-from torchrl_oni.annotators.openai import (
+from torchrl_oni.annotators.client import (
     AnnotatorUnavailable,
     CircuitBreaker,
-    OpenAIAnnotator,
+    Completion,
+    LLMClient,
     RequestSizer,
     resolve_model,
 )
+from torchrl_oni.annotators.openai import OpenAIAnnotator
 from torchrl_oni.annotators.scripted import ScriptedAnnotator
 from torchrl_oni.annotators.teacher import SKIP_ERROR, SimulatedTeacher
 
@@ -42,6 +46,8 @@ __all__ = [
     "AnnotatorStats",
     "AnnotatorUnavailable",
     "CircuitBreaker",
+    "Completion",
+    "LLMClient",
     "Label",
     "OpenAIAnnotator",
     "Preference",

@@ -14,11 +14,11 @@ caption (:mod:`torchrl_oni.envs.state_captions`) and an answer is a short list o
   stairs`` when a staircase down is visible, ``kill the jackal`` for a jackal...), no LLM; a
   test tool and a fallback, like :class:`~torchrl_oni.annotators.scripted.ScriptedAnnotator`.
 * :class:`OpenAIGoalSuggester`: the goal prompt sent to any OpenAI-compatible server (or a
-  pool of them) through :class:`~torchrl_oni.annotators.openai.OpenAIAnnotator`'s request
-  machinery (:meth:`~torchrl_oni.annotators.openai.OpenAIAnnotator.complete`), so goals get the
-  budgets and fault handling of labels: adaptive request sizes and time limits, retries with
-  backoff on another server, circuit breakers with health checks, and failures returned (never
-  raised) for the goal table to queue again later.
+  pool of them) through an :class:`~torchrl_oni.annotators.client.LLMClient`
+  (:meth:`~torchrl_oni.annotators.client.LLMClient.complete`), the client labels go through
+  too, so goals get the budgets and fault handling of labels: adaptive request sizes and time
+  limits, retries with backoff on another server, circuit breakers with health checks, and
+  failures returned (never raised) for the goal table to queue again later.
 
 Example:
     >>> import asyncio
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 from torchrl_oni.annotators.base import AnnotatorStats, Provenance
-from torchrl_oni.annotators.openai import OpenAIAnnotator
+from torchrl_oni.annotators.client import LLMClient, LLMClientFacade
 
 __all__ = [
     "GOAL_PROMPT_VERSION",
@@ -342,12 +342,12 @@ def _is_feature(phrase: str) -> bool:
 
 
 # ------------------------------------------------------------------ OpenAI-compatible servers
-class OpenAIGoalSuggester:
-    """Asks OpenAI-compatible servers (vLLM, the embedded server...) for goals, through
-    :class:`~torchrl_oni.annotators.openai.OpenAIAnnotator`'s request machinery.
+class OpenAIGoalSuggester(LLMClientFacade):
+    """Asks OpenAI-compatible servers (vLLM, the embedded server...) for goals, through an
+    :class:`~torchrl_oni.annotators.client.LLMClient` (``.client``).
 
-    Labels and goals share one HTTP client and one fault-handling policy: the goal prompts go
-    through :meth:`OpenAIAnnotator.complete <torchrl_oni.annotators.openai.OpenAIAnnotator.complete>`
+    Labels and goals share one HTTP client class and one fault-handling policy: the goal prompts
+    go through :meth:`LLMClient.complete <torchrl_oni.annotators.client.LLMClient.complete>`
     (a pool of servers, request sizes and time limits adapted to each server's latency, retries
     with backoff on another server, circuit breakers with health checks, HTTP 401 not retried,
     requests cancelled at :meth:`aclose`), and failures come back per state, never raised, for the
@@ -374,8 +374,8 @@ class OpenAIGoalSuggester:
         text_style: ``completions`` layout, ``"plain"`` or ``"llama-3"`` (default from the name).
         api_key: bearer token; ``None`` reads ``OPENAI_API_KEY`` (no header when unset).
         circuit_failures, circuit_cooldown_s, probe_interval_s: the circuit breaker and health
-            checks (see :class:`~torchrl_oni.annotators.openai.OpenAIAnnotator`).
-        **client_kwargs: further ``OpenAIAnnotator`` options (``adaptive``,
+            checks (see :class:`~torchrl_oni.annotators.client.LLMClient`).
+        **client_kwargs: further ``LLMClient`` options (``adaptive``,
             ``initial_batch_size``, ``target_latency_s``, ``min_timeout_s``, ``max_timeout_s``,
             ``first_timeout_s``).
 
@@ -414,7 +414,7 @@ class OpenAIGoalSuggester:
     ):
         if max_goals < 1 or max_tokens < 1:
             raise ValueError("max_goals and max_tokens must be >= 1")
-        self.client = OpenAIAnnotator(
+        self.client = LLMClient(
             base_url, model, api=api, batch_size=batch_size, max_concurrency=max_concurrency,
             timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
             temperature=temperature, max_tokens=max_tokens, text_style=text_style, api_key=api_key,
@@ -423,63 +423,11 @@ class OpenAIGoalSuggester:
         self.max_goals = int(max_goals)
 
     # ------------------------------------------------------------------ the client's
-    @property
-    def model(self) -> Optional[str]:
-        return self.client.model
-
-    @property
-    def base_url(self) -> str:
-        return self.client.base_url
-
-    @property
-    def base_urls(self) -> List[str]:
-        return self.client.base_urls
-
-    @property
-    def api(self) -> str:
-        return self.client.api
-
-    @property
-    def stats(self) -> AnnotatorStats:
-        """Request and answer counters (the client's; ``labelled`` counts states given goals)."""
-        return self.client.stats
-
+    # (base_url, base_urls, model, api, stats, recoveries, check, aclose, the steering methods
+    # and metrics come from LLMClientFacade; stats.labelled counts the states given goals)
     @property
     def provenance(self) -> Provenance:
         return Provenance("openai", self.client.model or "", GOAL_PROMPT_VERSION)
-
-    @property
-    def recoveries(self) -> int:
-        """Servers that were out and answered again (the goal worker then requeues states)."""
-        return self.client.recoveries
-
-    def available(self) -> bool:
-        return self.client.available()
-
-    def batch_hint(self) -> int:
-        return self.client.batch_hint()
-
-    def concurrency_hint(self) -> int:
-        return self.client.concurrency_hint()
-
-    def metrics(self) -> Dict[str, float]:
-        return self.client.metrics()
-
-    def recent(self, window_s: float = 60.0) -> Dict[str, int]:
-        return self.client.recent(window_s)
-
-    def describe(self) -> str:
-        return self.client.describe()
-
-    async def check(self) -> List[str]:
-        """Lists the served models; raises :class:`~torchrl_oni.annotators.openai.AnnotatorUnavailable`
-        (one line) if no server can be used. With ``model=None`` the only served model is chosen
-        (several: an error naming them)."""
-        return await self.client.check()
-
-    async def aclose(self) -> None:
-        """Closes the connections (requests in flight are abandoned); safe to call twice."""
-        await self.client.aclose()
 
     # ------------------------------------------------------------------ goals
     async def suggest(self, captions: Sequence[str]) -> List[GoalSuggestion]:

@@ -1,57 +1,24 @@
-"""An aiohttp client that asks one or several OpenAI-compatible servers (vLLM, FastChat,
-llama.cpp, our embedded CPU server) to label NetHack messages.
+"""OpenAIAnnotator: labels NetHack messages by asking one or several OpenAI-compatible servers
+(vLLM, FastChat, llama.cpp, our embedded CPU server).
 
-Two endpoints:
+This module turns captions into prompts and answers into labels; the HTTP side (a pool of
+servers, adaptive request sizes and time limits, retries, circuit breakers, health checks,
+metrics) is the annotator's :class:`~torchrl_oni.annotators.client.LLMClient`, ``.client``,
+whose module docstring gives its rules. The annotator exposes the client's settings, steering
+methods (:meth:`~OpenAIAnnotator.available`, :meth:`~OpenAIAnnotator.batch_hint`,
+:meth:`~OpenAIAnnotator.concurrency_hint`, :attr:`~OpenAIAnnotator.recoveries`) and metrics
+(:meth:`~OpenAIAnnotator.metrics`, :meth:`~OpenAIAnnotator.recent`,
+:meth:`~OpenAIAnnotator.describe`), so the annotation worker steers it like any client.
 
-* ``api="completions"`` (``/v1/completions``): several prompts per request, rendered to plain
-  text (Llama-3 chat layout for Llama-3 models, as ONI did);
-* ``api="chat"`` (``/v1/chat/completions``): one request per caption.
-
-**A slow answer is not a failure.** Each server gets a :class:`RequestSizer` that adapts to the
-latency the server actually shows:
-
-* prompts per request start at ``initial_batch_size`` (4) and double after a full request
-  answered within ``target_latency_s / 2`` (up to ``batch_size``); they halve after a request
-  slower than ``2 × target_latency_s`` or a timeout;
-* requests in flight (at most ``max_concurrency``) halve after a timeout and grow back by one
-  after each answer within ``target_latency_s``;
-* the time limit of a request of ``n`` prompts is
-  ``clip(timeout_factor × p × n, min_timeout_s, max_timeout_s)`` where ``p`` is the larger of
-  the 90th percentile and the latest of the seconds per prompt of recent requests (latency / n;
-  a request that timed out contributes limit / n, a lower bound, so the next limit per prompt is
-  at least twice as long). Before any answer the limit is ``first_timeout_s``. ``timeout_s``
-  fixes the limit instead (``--llm-timeout``).
+Two endpoints: ``api="completions"`` (several captions per request, rendered to plain text,
+Llama-3 chat layout for Llama-3 models, as ONI did) and ``api="chat"`` (one request per
+caption).
 
 **Faults never escape** ``annotate``/``compare``: they come back as labels with ``value=None``
-and an ``error``; the annotation worker puts server faults back in the queue (never given up)
-and gives a caption up only after repeated unparsable answers. Within one call, HTTP 5xx/429,
-timeouts, connection errors and malformed answers are retried with exponential backoff
-(``max_retries`` times, on another server when there is one). HTTP 401/403 is not retried:
-the error reads ``"server refused the API key (HTTP 401)"``. Other 4xx (unknown model, bad
-parameter) are not retried either.
-
-**Circuit breaker and health checks.** A server whose ``circuit_failures`` requests in a row
-failed is taken out: nothing is sent to it (requests that find no server are refused at once
-with ``error="circuit open"``, counted as *unsent*: they cost the caption nothing). While it is
-out it is probed with ``GET /v1/models`` every ``probe_interval_s``; when it answers, one
-request is let through, whose success brings it back (and so does a request let through after
-``circuit_cooldown_s``).
-
-**A pool of servers.** Give ``base_url`` a list: each request goes to the usable server with
-the fewest requests in flight; a failed one is retried on another. Every server must serve
-``model`` (:meth:`OpenAIAnnotator.check`). :meth:`OpenAIAnnotator.metrics` has per-server
-entries ``server/<i>/...``.
-
-**Any prompt.** :meth:`OpenAIAnnotator.complete` sends chat prompts of any kind through this
-machinery (pool, sizing, time limits, retries, breakers, health checks, cancellation at
-:meth:`~OpenAIAnnotator.aclose`) and returns each answer's text or its failure (a
-:class:`Completion`); ``annotate`` and ``compare`` are built on it, and so is ELLM's
-:class:`~torchrl_oni.annotators.goals.OpenAIGoalSuggester`. :meth:`~OpenAIAnnotator.record_parse`
-counts what the caller made of each answer.
-
-Choices are matched to prompts by their ``index`` field; a response whose indices do not cover
-the batch exactly fails as a whole (``"wrong count"``) rather than risk giving a caption someone
-else's label.
+and an ``error`` (the client's reason: ``"timeout"``, ``"http 500"``, ``"circuit open"``,
+``"server refused the API key (HTTP 401)"``...); the annotation worker puts server faults back
+in the queue (never given up) and gives a caption up only after repeated unparsable answers
+(``error="unparsable"``).
 
 Logprob scoring (``use_logprobs=True``): the request asks for the top token logprobs and
 ``Label.score`` becomes P(positive label) / (P(positive) + P(negative)) at the label token; the
@@ -62,27 +29,6 @@ Ranking (``compare``) has three modes: ``"direct"`` (ONI: one ranking prompt per
 ``"both_orders"`` (ask (a, b) and (b, a); agreement wins, disagreement is a tie, which cancels
 position bias) and ``"scores"`` (classify both captions and compare their scores, the reliable
 choice for small models). Identical captions tie without a request.
-
-Metrics (:meth:`OpenAIAnnotator.metrics`, counts since the start):
-
-=======================  ===============================================================
-``requests_sent``        HTTP requests sent
-``requests_unsent``      requests refused without sending: no server usable (breaker open)
-``server_errors``        HTTP 5xx and 429 answers
-``timeouts``             requests past their time limit
-``connection_errors``    requests that could not connect or lost the connection
-``bad_answers``          answers that were not JSON or had the wrong choices
-``auth_errors``          HTTP 401/403 answers
-``rejected``             other HTTP 4xx answers (the request itself is wrong)
-``unparsable``           captions whose answer held no label
-``timeout_s``            the current time limit of a full request (largest over servers)
-``request_batch``        the current prompts per request (largest over servers)
-``concurrency``          the current requests in flight allowed (sum over servers)
-``servers_up``           servers taking requests (breaker closed or half-open)
-``server/<i>/...``       per server ``i`` (order of ``base_url``): ``up``, ``requests``,
-                         ``errors``, ``in_flight``, ``latency_s`` (median), ``labels_per_s``
-                         (last minute), ``batch``, ``concurrency``, ``timeout_s``
-=======================  ===============================================================
 
 Example:
     >>> from torchrl_oni.annotators.openai import OpenAIAnnotator
@@ -99,35 +45,38 @@ Example:
 """
 from __future__ import annotations
 
-import asyncio
-import collections
-import json
-import logging
-import math
-import os
-import random
-import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
-from urllib.parse import urlsplit
-
-import aiohttp
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torchrl_oni.annotators import prompts as P
 from torchrl_oni.annotators.base import (
     FIRST,
     SECOND,
     TIE,
-    AnnotatorStats,
     Label,
     Preference,
     Provenance,
 )
+from torchrl_oni.annotators.client import Completion, LLMClient, LLMClientFacade, client_attribute
 from torchrl_oni.annotators.parsing import (
     parse_label,
     parse_preference,
     parse_yes_no,
     score_from_top_logprobs,
+)
+
+# These names lived here before the HTTP client had its own module: re-exported, kept for one
+# release, so that ``from torchrl_oni.annotators.openai import X`` still works.
+from torchrl_oni.annotators.client import (  # noqa: F401
+    API_KEY_ENV,
+    AUTH_ERROR,
+    CIRCUIT_OPEN,
+    AnnotatorUnavailable,
+    CircuitBreaker,
+    RequestSizer,
+    _auth_headers,
+    normalize_base_url,
+    resolve_model,
 )
 
 __all__ = [
@@ -140,427 +89,15 @@ __all__ = [
     "resolve_model",
 ]
 
-logger = logging.getLogger(__name__)
-
-API_KEY_ENV = "OPENAI_API_KEY"
-AUTH_ERROR = "server refused the API key"
-CIRCUIT_OPEN = "circuit open"
-
-# Outcome categories of a request, and the metric that counts each.
-_COUNTERS = {
-    "sent": "requests_sent",
-    "unsent": "requests_unsent",
-    "server": "server_errors",
-    "timeout": "timeouts",
-    "connection": "connection_errors",
-    "bad_answer": "bad_answers",
-    "auth": "auth_errors",
-    "rejected": "rejected",
-    "unparsable": "unparsable",
-}
-# Failures that say the server is unwell: they count towards its circuit breaker.
-_BREAKER_CATEGORIES = ("server", "timeout", "connection", "bad_answer", "auth")
-# How long per-request outcomes are kept for recent() (the health summary looks back a minute).
-_EVENTS_KEPT_S = 600.0
-
-
-class AnnotatorUnavailable(RuntimeError):
-    """The LLM server cannot be used: unreachable, not OpenAI-compatible, or model not served."""
-
-
-class _RequestFailed(Exception):
-    def __init__(self, kind: str, detail: str = "", retryable: bool = True,
-                 category: str = "server") -> None:
-        super().__init__(kind)
-        self.kind = kind
-        self.detail = detail
-        self.retryable = retryable
-        self.category = category
-
-
-def normalize_base_url(url: str) -> str:
-    """``host:port`` / ``http://host:port`` / ``http://host:port/v1/`` → ``http://host:port/v1``.
-
-    Raises:
-        ValueError: with a one-line message when the URL cannot point at an HTTP server.
-    """
-    text = (url or "").strip()
-    if text and "://" not in text:
-        text = "http://" + text
-    parts = urlsplit(text)
-    try:
-        port_ok = parts.port is None or 0 < parts.port < 65536
-    except ValueError:
-        port_ok = False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-        raise ValueError(f"invalid LLM server URL {url!r}: expected http(s)://host:port[/v1]")
-    path = parts.path.rstrip("/") or "/v1"
-    return f"{parts.scheme}://{parts.netloc}{path}"
-
-
-def _one_line(text: str, limit: int = 200) -> str:
-    return " ".join(str(text).split())[:limit]
-
-
-class CircuitBreaker:
-    """Opens after ``failures`` consecutive failures; stays open for ``cooldown_s``.
-
-    After the cool-down (or :meth:`half_open`, when a health check says the server answers) the
-    breaker is *half-open*: a request is let through; its failure re-opens the breaker at once,
-    its success closes it.
-
-    Example:
-        >>> cb = CircuitBreaker(failures=2, cooldown_s=60.0)
-        >>> cb.record_failure(); cb.allow()
-        True
-        >>> cb.record_failure(); cb.allow(), cb.state
-        (False, 'open')
-        >>> cb.half_open(); cb.allow(), cb.state
-        (True, 'half-open')
-    """
-
-    def __init__(self, failures: int = 5, cooldown_s: float = 30.0, clock=time.monotonic) -> None:
-        self.failures = max(1, int(failures))
-        self.cooldown_s = float(cooldown_s)
-        self._clock = clock
-        self.consecutive = 0
-        self._open_until = 0.0
-
-    def allow(self) -> bool:
-        return self._clock() >= self._open_until
-
-    @property
-    def is_open(self) -> bool:
-        return not self.allow()
-
-    @property
-    def state(self) -> str:
-        """``"closed"``, ``"open"`` or ``"half-open"``."""
-        if not self.allow():
-            return "open"
-        return "half-open" if self.consecutive >= self.failures else "closed"
-
-    def open_for(self) -> float:
-        """Seconds until the breaker lets a request through again (0 when it does now)."""
-        return max(0.0, self._open_until - self._clock())
-
-    def record_success(self) -> None:
-        self.consecutive = 0
-        self._open_until = 0.0
-
-    def record_failure(self) -> None:
-        self.consecutive += 1
-        if self.consecutive >= self.failures:
-            self._open_until = self._clock() + self.cooldown_s
-
-    def trip(self) -> None:
-        """Opens the breaker now (a server found dead by a health check)."""
-        self.consecutive = max(self.consecutive, self.failures)
-        self._open_until = self._clock() + self.cooldown_s
-
-    def half_open(self) -> None:
-        """Lets the next request through (a health check found the server answering)."""
-        if self.consecutive >= self.failures:
-            self._open_until = min(self._open_until, self._clock())
-
-
-class RequestSizer:
-    """Prompts per request, requests in flight and the time limit for one server, adapted to
-    the latency the server shows (the rules are in the module docstring).
-
-    Args:
-        max_batch: most prompts per request.
-        max_concurrency: most requests in flight.
-        adaptive: adapt the batch and concurrency; if False they stay at their maxima.
-        initial_batch: prompts per request before any answer.
-        target_latency_s: the request latency the batch is sized for.
-        timeout_s: a fixed time limit per request (``None``: adaptive).
-        min_timeout_s, max_timeout_s: bounds of the adaptive limit.
-        first_timeout_s: the adaptive limit before any answer.
-        timeout_factor: the limit is this many times the expected latency.
-        window: how many recent requests the latency estimate uses.
-
-    Example:
-        >>> sizer = RequestSizer(max_batch=100, max_concurrency=4, initial_batch=4)
-        >>> sizer.batch, sizer.timeout(4)
-        (4, 120.0)
-        >>> sizer.record_answer(4, latency_s=1.0)  # fast: the batch doubles
-        >>> sizer.batch, sizer.timeout(8)  # 4 × 0.25 s × 8 prompts, raised to the floor
-        (8, 30.0)
-        >>> sizer.record_timeout(8, limit_s=200.0)  # 25 s per prompt at least: halve and wait longer
-        >>> sizer.batch, sizer.concurrency, sizer.timeout(4)
-        (4, 2, 400.0)
-    """
-
-    def __init__(
-        self,
-        max_batch: int = 100,
-        max_concurrency: int = 4,
-        *,
-        adaptive: bool = True,
-        initial_batch: int = 4,
-        target_latency_s: float = 10.0,
-        timeout_s: Optional[float] = None,
-        min_timeout_s: float = 30.0,
-        max_timeout_s: float = 600.0,
-        first_timeout_s: float = 120.0,
-        timeout_factor: float = 4.0,
-        window: int = 32,
-    ) -> None:
-        if max_batch < 1 or max_concurrency < 1 or initial_batch < 1:
-            raise ValueError("batch sizes and concurrency must be >= 1")
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if not 0 < min_timeout_s <= max_timeout_s or target_latency_s <= 0 or timeout_factor <= 0:
-            raise ValueError("need 0 < min_timeout_s <= max_timeout_s, target_latency_s > 0 and "
-                             "timeout_factor > 0")
-        self.max_batch = int(max_batch)
-        self.max_concurrency = int(max_concurrency)
-        self.adaptive = bool(adaptive)
-        self.target_latency_s = float(target_latency_s)
-        self.timeout_s = None if timeout_s is None else float(timeout_s)
-        self.min_timeout_s = float(min_timeout_s)
-        self.max_timeout_s = float(max_timeout_s)
-        self.first_timeout_s = min(max(float(first_timeout_s), self.min_timeout_s), self.max_timeout_s)
-        self.timeout_factor = float(timeout_factor)
-        self.batch = min(int(initial_batch), self.max_batch) if adaptive else self.max_batch
-        self.concurrency = self.max_concurrency
-        self._per_prompt: Deque[float] = collections.deque(maxlen=int(window))
-        self._latency: Deque[float] = collections.deque(maxlen=int(window))
-
-    def seconds_per_prompt(self) -> Optional[float]:
-        """The larger of the p90 and the latest of recent latency / prompts; None before any."""
-        if not self._per_prompt:
-            return None
-        ordered = sorted(self._per_prompt)
-        p90 = ordered[min(len(ordered) - 1, int(math.ceil(0.9 * len(ordered))) - 1)]
-        return max(p90, self._per_prompt[-1])
-
-    def latency_s(self, q: float = 0.5) -> float:
-        """A quantile of recent answered requests' latency (0 before any)."""
-        if not self._latency:
-            return 0.0
-        ordered = sorted(self._latency)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    def timeout(self, n: int) -> float:
-        """The time limit for a request of ``n`` prompts."""
-        if self.timeout_s is not None:
-            return self.timeout_s
-        per_prompt = self.seconds_per_prompt()
-        if per_prompt is None:
-            return self.first_timeout_s
-        limit = self.timeout_factor * per_prompt * max(int(n), 1)
-        return min(max(limit, self.min_timeout_s), self.max_timeout_s)
-
-    def record_answer(self, n: int, latency_s: float) -> None:
-        """A request of ``n`` prompts was answered after ``latency_s`` seconds."""
-        n = max(int(n), 1)
-        self._per_prompt.append(latency_s / n)
-        self._latency.append(latency_s)
-        if not self.adaptive:
-            return
-        if latency_s > 2 * self.target_latency_s:
-            self.batch = max(1, self.batch // 2)
-        elif n >= self.batch and latency_s < self.target_latency_s / 2:
-            self.batch = min(self.max_batch, 2 * self.batch)
-        if latency_s <= self.target_latency_s and self.concurrency < self.max_concurrency:
-            self.concurrency += 1
-
-    def record_timeout(self, n: int, limit_s: float) -> None:
-        """A request of ``n`` prompts got no answer within ``limit_s`` seconds."""
-        self._per_prompt.append(limit_s / max(int(n), 1))  # a lower bound on the true value
-        if self.adaptive:
-            self.batch = max(1, self.batch // 2)
-            self.concurrency = max(1, self.concurrency // 2)
-
-
-class _RateMeter:
-    """Events per second over a sliding window, in one-second buckets (cheap at any rate)."""
-
-    def __init__(self, clock, keep_s: float = 60.0) -> None:
-        self._clock = clock
-        self._keep_s = keep_s
-        self._buckets: Deque[List[float]] = collections.deque()
-
-    def add(self, n: int) -> None:
-        now = self._clock()
-        second = math.floor(now)
-        if self._buckets and self._buckets[-1][0] == second:
-            self._buckets[-1][1] += n
-        else:
-            self._buckets.append([second, n])
-        while self._buckets and now - self._buckets[0][0] > self._keep_s + 1:
-            self._buckets.popleft()
-
-    def count(self, window_s: float) -> float:
-        now = self._clock()
-        return sum(n for t, n in list(self._buckets) if now - t <= window_s)
-
-    def rate(self, window_s: float, since: Optional[float] = None) -> float:
-        span = window_s if since is None else min(window_s, max(self._clock() - since, 1e-9))
-        return self.count(window_s) / span if span > 0 else 0.0
-
-
-class _Endpoint:
-    """One server of the pool: its URL, breaker, request sizer, load and counters."""
-
-    def __init__(self, index: int, url: str, sizer: RequestSizer, breaker: CircuitBreaker, clock) -> None:
-        self.index = index
-        self.url = url
-        self.sizer = sizer
-        self.breaker = breaker
-        self.in_flight = 0
-        self.last_pick = 0.0
-        self.counts: Dict[str, int] = collections.Counter()
-        self.labels = _RateMeter(clock)
-        self.next_probe = 0.0
-        self.probe_task: Optional[asyncio.Task] = None
-        self.last_error = ""
-
-    def limit(self) -> int:
-        # A half-open breaker lets one request through, not a volley.
-        return 1 if self.breaker.state == "half-open" else self.sizer.concurrency
-
-
-async def _fetch_models(session: aiohttp.ClientSession, base_url: str, limit_s: float) -> List[str]:
-    """The model names ``GET {base_url}/models`` lists; one-line :class:`AnnotatorUnavailable`."""
-    url = f"{base_url}/models"
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=limit_s)) as resp:
-            body = await resp.read()
-            status = resp.status
-    except asyncio.TimeoutError:
-        raise AnnotatorUnavailable(
-            f"LLM server at {base_url} did not answer /models within {limit_s:g} s"
-        ) from None
-    except aiohttp.ClientError as err:
-        reason = _one_line(err) or type(err).__name__
-        raise AnnotatorUnavailable(f"cannot reach LLM server at {base_url}: {reason}") from None
-    if status in (401, 403):
-        raise AnnotatorUnavailable(
-            f"LLM server at {base_url} {AUTH_ERROR} (HTTP {status}): pass it with --llm-api-key "
-            f"or set {API_KEY_ENV}"
-        )
-    if status != 200:
-        raise AnnotatorUnavailable(
-            f"LLM server at {base_url} answered HTTP {status} to GET /models "
-            "(is this an OpenAI-compatible /v1 URL?)"
-        )
-    try:
-        data = json.loads(body)
-        return [str(m["id"]) for m in data["data"]]
-    except (ValueError, KeyError, TypeError):
-        raise AnnotatorUnavailable(
-            f"LLM server at {base_url} sent an unexpected /models answer "
-            "(is this an OpenAI-compatible /v1 URL?)"
-        ) from None
-
-
-def _auth_headers(api_key: Optional[str]) -> Dict[str, str]:
-    key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def _as_url_list(base_url: Union[str, Sequence[str]]) -> List[str]:
-    urls = [base_url] if isinstance(base_url, str) else list(base_url)
-    if not urls:
-        raise ValueError("no LLM server URL given")
-    normal = [normalize_base_url(u) for u in urls]
-    if len(set(normal)) != len(normal):
-        raise ValueError(f"LLM server URLs given twice: {', '.join(normal)}")
-    return normal
-
-
-def resolve_model(
-    base_url: Union[str, Sequence[str]],
-    model: Optional[str] = None,
-    *,
-    api_key: Optional[str] = None,
-    timeout_s: float = 10.0,
-) -> str:
-    """The model to ask: ``model`` checked against every server, or the only one they serve.
-
-    Call it before building :class:`OpenAIAnnotator` when ``--llm-model`` is optional (not from
-    a running event loop: it runs its own).
-
-    Raises:
-        AnnotatorUnavailable: one line: a server is unreachable or refuses the key, ``model``
-            is not served (the served names are listed), or no model was given and the
-            servers serve several (named) or different ones.
-    """
-    urls = _as_url_list(base_url)
-
-    async def fetch_all() -> List[List[str]]:
-        async with aiohttp.ClientSession(headers=_auth_headers(api_key)) as session:
-            return [await _fetch_models(session, u, timeout_s) for u in urls]
-
-    served = asyncio.run(fetch_all())
-    if model:
-        for url, names in zip(urls, served):
-            if model not in names:
-                raise AnnotatorUnavailable(
-                    f"model {model!r} is not served at {url}; served: {', '.join(names) or 'none'}"
-                )
-        return model
-    for url, names in zip(urls, served):
-        if not names:
-            raise AnnotatorUnavailable(f"LLM server at {url} serves no model")
-        if len(names) > 1:
-            raise AnnotatorUnavailable(
-                f"LLM server at {url} serves several models ({', '.join(names)}): choose one "
-                "with --llm-model"
-            )
-    names = {n[0] for n in served}
-    if len(names) > 1:
-        listing = "; ".join(f"{u}: {n[0]}" for u, n in zip(urls, served))
-        raise AnnotatorUnavailable(f"LLM servers serve different models ({listing}): every "
-                                   "server of a pool must serve the same one")
-    return names.pop()
-
-
-class Completion:
-    """One prompt's answer from :meth:`OpenAIAnnotator.complete`: its text, or why there is none.
-
-    Attributes:
-        text: the model's answer (``""`` when the request failed).
-        error: ``None``, or why no answer came after the retries: ``"timeout"``, ``"connection
-            error"``, ``"http 500"``, ``"circuit open"`` (refused without sending: no server
-            usable), ``"server refused the API key (HTTP 401)"``, ``"malformed json"``,
-            ``"wrong count"``, ... (all server reasons: never the prompt's fault).
-        positions: with ``logprobs=True``, the answer's tokens and their top alternatives,
-            ``[(token, {token: logprob, ...}), ...]``; else ``None``.
-        endpoint: the server that answered (for :meth:`OpenAIAnnotator.record_parse`).
-
-    Example:
-        >>> Completion("- kill the newt").ok, Completion(error="timeout").ok
-        (True, False)
-    """
-
-    __slots__ = ("text", "positions", "error", "endpoint")
-
-    def __init__(self, text: str = "", positions=None, error: Optional[str] = None,
-                 endpoint: Optional[_Endpoint] = None) -> None:
-        self.text = text
-        self.positions = positions
-        self.error = error
-        self.endpoint = endpoint
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def __repr__(self) -> str:
-        return f"Completion(text={self.text!r}, error={self.error!r})"
-
-
 # The stop strings of each prompt family (the answer ends with its label / choice / line).
 _STOPS = {"tagged": ["</label>"], "ranking": ["</best>"], "short": ["\n"]}
+# (the model named, the labels' provenance, the preferences' provenance)
+_Provenances = Tuple[Optional[str], Provenance, Provenance]
 
 
-class OpenAIAnnotator:
-    """Labels captions through one or several OpenAI-compatible HTTP servers (aiohttp, async,
-    fault tolerant, adapting to each server's latency; see the module docstring).
+class OpenAIAnnotator(LLMClientFacade):
+    """Labels captions through one or several OpenAI-compatible HTTP servers, with an
+    :class:`~torchrl_oni.annotators.client.LLMClient` (``.client``; see the module docstrings).
 
     Args:
         base_url: the server, e.g. ``http://gpu-node:9001/v1`` (``host:port`` is accepted), or
@@ -568,37 +105,20 @@ class OpenAIAnnotator:
         model: the served model name (see :func:`resolve_model`); ``None``: the only model the
             servers serve, found by :meth:`check` (which must then be awaited first).
         api: ``"completions"`` (batched prompts) or ``"chat"`` (one request per caption).
-        batch_size: most prompts per ``/v1/completions`` request (ONI sent 100).
-        max_concurrency: most requests in flight, per server.
-        timeout_s: a fixed time limit per request; ``None`` (default) adapts it to the latency
-            each server shows.
-        adaptive: adapt prompts per request and requests in flight (default). If False, every
-            request carries ``batch_size`` prompts and ``max_concurrency`` are in flight.
-        initial_batch_size: prompts per request before a server has answered.
-        target_latency_s: the request latency the adaptive batch aims at.
-        min_timeout_s, max_timeout_s: bounds of the adaptive time limit.
-        first_timeout_s: the adaptive time limit before a server has answered.
-        max_retries: extra attempts for a failed request within one call.
-        backoff_s: first retry delay; doubles per attempt (with jitter) up to ``max_backoff_s``.
-        max_backoff_s: longest retry delay.
         goal: ``"default"``, ``"combat"``, ``"gold"``, ``"stairs"`` or ``"zero-knowledge"``.
         prompt: ``"tagged"`` (ONI-style reasoning + ``<label>``) or ``"short"`` (one ``yes``/``no``
             token, for small models).
         use_logprobs: ask for token logprobs and fill ``Label.score``.
-        top_logprobs: how many alternatives per token to ask for.
         score_threshold: with a score, the label is ``score >= score_threshold``.
         temperature: sampling temperature (ONI: 0.1).
         max_tokens: answer length limit; ``None`` picks 512 (tagged/ranking) or 2 (short).
         ranking: ``"direct"``, ``"both_orders"`` or ``"scores"`` (see the module docstring).
         tie_margin: in ``"scores"`` mode, score differences up to this are a tie.
-        text_style: how ``/v1/completions`` prompts are laid out: ``"plain"`` or ``"llama-3"``;
-            ``None`` picks ``"llama-3"`` when the model name says so.
-        api_key: sent as ``Authorization: Bearer KEY``; ``None`` reads ``OPENAI_API_KEY`` (no
-            header when unset or empty).
-        circuit_failures: consecutive failed requests that take a server out.
-        circuit_cooldown_s: how long before a server that is out gets a request again anyway.
-        probe_interval_s: how often a server that is out is health-checked (``GET /v1/models``).
-        clock: monotonic time source (tests).
+        batch_size, max_concurrency, timeout_s, adaptive, initial_batch_size, target_latency_s,
+        min_timeout_s, max_timeout_s, first_timeout_s, max_retries, backoff_s, max_backoff_s,
+        top_logprobs, text_style, api_key, circuit_failures, circuit_cooldown_s,
+        probe_interval_s, clock: the HTTP client's options, given to its
+            :class:`~torchrl_oni.annotators.client.LLMClient` (documented there).
 
     Raises:
         ValueError: for an invalid URL or option (one-line message).
@@ -610,6 +130,8 @@ class OpenAIAnnotator:
         Provenance(annotator='openai', model='qwen', prompt_version='cls-short-v1:default')
         >>> ann.ranking_provenance.prompt_version
         'cls-short-v1:default/scores'
+        >>> ann.client.api, ann.api
+        ('chat', 'chat')
     """
 
     def __init__(
@@ -646,397 +168,54 @@ class OpenAIAnnotator:
         probe_interval_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.base_urls = _as_url_list(base_url)
-        self.base_url = self.base_urls[0]
-        if model is not None and not model:
-            raise ValueError("model name is empty: pass the name the server lists at /v1/models")
-        if api not in ("completions", "chat"):
-            raise ValueError(f"unknown api {api!r}; choose 'completions' or 'chat'")
+        self.client = LLMClient(
+            base_url, model, api=api, batch_size=batch_size, max_concurrency=max_concurrency,
+            timeout_s=timeout_s, adaptive=adaptive, initial_batch_size=initial_batch_size,
+            target_latency_s=target_latency_s, min_timeout_s=min_timeout_s,
+            max_timeout_s=max_timeout_s, first_timeout_s=first_timeout_s, max_retries=max_retries,
+            backoff_s=backoff_s, max_backoff_s=max_backoff_s, top_logprobs=top_logprobs,
+            temperature=temperature, max_tokens=max_tokens, text_style=text_style, api_key=api_key,
+            circuit_failures=circuit_failures, circuit_cooldown_s=circuit_cooldown_s,
+            probe_interval_s=probe_interval_s, clock=clock)
         if prompt not in ("tagged", "short"):
             raise ValueError(f"unknown prompt {prompt!r}; choose 'tagged' or 'short'")
         if ranking not in ("direct", "both_orders", "scores"):
             raise ValueError(
                 f"unknown ranking mode {ranking!r}; choose direct, both_orders or scores"
             )
-        if batch_size < 1 or max_concurrency < 1 or max_retries < 0 or (
-                timeout_s is not None and timeout_s <= 0):
-            raise ValueError("batch_size and max_concurrency must be >= 1, max_retries >= 0, "
-                             "timeout_s > 0")
-        self.api = api
-        self.batch_size = int(batch_size)
-        self.max_concurrency = int(max_concurrency)
-        self.timeout_s = None if timeout_s is None else float(timeout_s)
-        self.max_retries = int(max_retries)
-        self.backoff_s = float(backoff_s)
-        self.max_backoff_s = float(max_backoff_s)
-        self.probe_interval_s = float(probe_interval_s)
         self.goal = P.canonical_goal(goal)
         self.prompt = prompt
         self.use_logprobs = bool(use_logprobs)
-        self.top_logprobs = int(top_logprobs)
         self.score_threshold = float(score_threshold)
-        self.temperature = float(temperature)
-        self.max_tokens = max_tokens
         self.ranking = ranking
         self.tie_margin = float(tie_margin)
-        self._auto_style = text_style is None
-        self.text_style = text_style or P.default_text_style(model or "")
-        P.render_text([], self.text_style)  # validates the style
-        self.api_key = api_key
-        self._headers = _auth_headers(api_key)
-        self._clock = clock
-        self._created = clock()
-        per_request = self.batch_size if api == "completions" else 1
-        self._endpoints = [
-            _Endpoint(
-                i, url,
-                RequestSizer(per_request, self.max_concurrency, adaptive=adaptive,
-                             initial_batch=initial_batch_size, target_latency_s=target_latency_s,
-                             timeout_s=timeout_s, min_timeout_s=min_timeout_s,
-                             max_timeout_s=max_timeout_s, first_timeout_s=first_timeout_s),
-                CircuitBreaker(circuit_failures, circuit_cooldown_s, clock=clock),
-                clock,
-            )
-            for i, url in enumerate(self.base_urls)
-        ]
-        self.stats = AnnotatorStats()
-        self._set_model(model)
-        # Counters are written on the event loop's thread and read by metrics() from another.
-        self._lock = threading.Lock()
-        self._unsent = 0
-        self._events: Deque[Tuple[float, str, int]] = collections.deque(maxlen=8192)
-        self._auth_logged = False
-        # Servers that were out and answered again; the worker then requeues the captions that
-        # failed meanwhile.
-        self.recoveries = 0
-        self._session: Optional[aiohttp.ClientSession] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._waiters: List[asyncio.Future] = []
+        self._provenances = self._make_provenances(model)
 
-    def _set_model(self, model: Optional[str]) -> None:
-        self.model = model
-        self.provenance = Provenance("openai", model or "", P.prompt_version(self.prompt, self.goal))
-        rank_version = (
-            f"{P.prompt_version(self.prompt, self.goal)}/scores"
-            if self.ranking == "scores"
-            else f"{P.prompt_version('ranking', self.goal)}/{self.ranking}"
-        )
-        self.ranking_provenance = Provenance("openai", model or "", rank_version)
-        if self._auto_style:
-            self.text_style = P.default_text_style(model or "")
-
-    @property
-    def breaker(self) -> CircuitBreaker:
-        """The first server's circuit breaker (the only one without a pool)."""
-        return self._endpoints[0].breaker
-
-    # ------------------------------------------------------------------ session management
-    def _ensure_session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            # A session belongs to one event loop; a new loop (e.g. another asyncio.run) gets
-            # its own session, and the old one is dropped without awaiting.
-            if self._session is not None and not self._session.closed:
-                self._drop_session(self._session, self._loop)
-            self._session = aiohttp.ClientSession(headers=self._headers,
-                                                  timeout=aiohttp.ClientTimeout(total=None))
-            self._loop = loop
-            self._waiters = []
-            for ep in self._endpoints:
-                ep.probe_task = None  # tasks of an old loop are gone with it
-        return self._session
-
-    @staticmethod
-    def _drop_session(session: aiohttp.ClientSession, loop) -> None:
-        """Releases a session that belongs to another event loop (it cannot be awaited here)."""
-        if loop is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(session.close(), loop)
-            return
-        connector = session.connector
-        session.detach()
-        # The loop is closed: only aiohttp's synchronous bookkeeping is left to do.
-        close_now = getattr(connector, "_close", None)
-        if callable(close_now):
-            try:
-                close_now()
-            except Exception:  # noqa: BLE001 - best effort on a dead loop
-                pass
-
-    async def aclose(self) -> None:
-        """Closes the HTTP session and its connections: requests still in flight are abandoned
-        and the servers see the client go (ours then stop working on them). Safe to call twice,
-        and from another event loop."""
-        running = asyncio.get_running_loop()
-        for ep in self._endpoints:
-            task, ep.probe_task = ep.probe_task, None
-            if task is not None and not task.done() and self._loop is running:
-                task.cancel()
-        session, self._session = self._session, None
-        if session is None or session.closed:
-            return
-        if self._loop is running:
-            await session.close()
-        else:
-            self._drop_session(session, self._loop)
+    # ------------------------------------------------------------------ the client's
+    # (base_url, base_urls, model, api, stats, recoveries, check, aclose, the steering methods
+    # and metrics come from LLMClientFacade)
+    batch_size = client_attribute("batch_size", "Most prompts per ``/v1/completions`` request.")
+    max_concurrency = client_attribute("max_concurrency", "Most requests in flight, per server.")
+    timeout_s = client_attribute("timeout_s", "The fixed time limit per request (or ``None``).")
+    max_retries = client_attribute("max_retries", "Extra attempts for a failed request.")
+    backoff_s = client_attribute("backoff_s", "The first retry delay.")
+    max_backoff_s = client_attribute("max_backoff_s", "The longest retry delay.")
+    probe_interval_s = client_attribute("probe_interval_s", "Seconds between health checks.")
+    top_logprobs = client_attribute("top_logprobs", "Alternatives asked for per token.")
+    temperature = client_attribute("temperature", "The sampling temperature.")
+    max_tokens = client_attribute("max_tokens", "The answer length limit (or ``None``).")
+    text_style = client_attribute("text_style", "The ``/v1/completions`` prompt layout.")
+    api_key = client_attribute("api_key", "The bearer token given (``None``: ``OPENAI_API_KEY``).")
+    breaker = client_attribute("breaker", "The first server's circuit breaker.")
+    # the tests look at the headers sent and at each server of a pool
+    _headers = client_attribute("_headers", "The HTTP headers sent with every request.")
+    _endpoints = client_attribute("_endpoints", "The servers of the pool.")
 
     async def __aenter__(self) -> "OpenAIAnnotator":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
-
-    # ------------------------------------------------------------------ health check
-    async def check(self) -> List[str]:
-        """Lists the served models; fails clearly if no server can be used.
-
-        Every server must serve ``model``; with ``model=None`` the first server that answers must
-        serve exactly one model, which becomes ``model``. In a pool, servers that cannot be
-        reached are taken out (and health-checked until they answer) as long as one can be used.
-
-        Returns:
-            the model names the first usable server lists at ``/v1/models``.
-
-        Raises:
-            AnnotatorUnavailable: one-line reason (unreachable, refused API key, not
-                OpenAI-compatible, unknown model with the served names).
-        """
-        session = self._ensure_session()
-        limit = min(self.timeout_s or 10.0, 10.0)
-        found: Optional[List[str]] = None
-        errors: List[Tuple[_Endpoint, AnnotatorUnavailable]] = []
-        for ep in self._endpoints:
-            try:
-                names = await _fetch_models(session, ep.url, limit)
-            except AnnotatorUnavailable as err:
-                if AUTH_ERROR in str(err):
-                    raise
-                errors.append((ep, err))
-                continue
-            if self.model is None:
-                if len(names) != 1:
-                    raise AnnotatorUnavailable(
-                        f"LLM server at {ep.url} serves {len(names)} models ({', '.join(names) or 'none'}): "
-                        "name one with --llm-model")
-                self._set_model(names[0])
-            if self.model not in names:
-                raise AnnotatorUnavailable(
-                    f"model {self.model!r} is not served at {ep.url}; "
-                    f"served: {', '.join(names) or 'none'}"
-                )
-            found = found if found is not None else names
-        if found is None:
-            raise errors[0][1]
-        for ep, err in errors:
-            ep.breaker.trip()
-            ep.last_error = str(err).replace(f" at {ep.url}", "")
-            ep.next_probe = self._clock() + self.probe_interval_s
-            logger.warning("%s; using the other LLM servers and checking it every %g s", err,
-                           self.probe_interval_s)
-        return found
-
-    def _start_due_probes(self) -> None:
-        """Health-checks servers that are out, at most every ``probe_interval_s`` each."""
-        now = self._clock()
-        for ep in self._endpoints:
-            if ep.breaker.allow() or now < ep.next_probe:
-                continue
-            if ep.probe_task is not None and not ep.probe_task.done():
-                continue
-            ep.next_probe = now + self.probe_interval_s
-            ep.probe_task = asyncio.ensure_future(self._probe(ep))
-
-    async def _probe(self, ep: _Endpoint) -> None:
-        session = self._ensure_session()
-        try:
-            names = await _fetch_models(session, ep.url, min(5.0, max(self.probe_interval_s, 1.0)))
-        except AnnotatorUnavailable as err:
-            ep.last_error = str(err).replace(f" at {ep.url}", "")
-            return
-        if self.model not in names:
-            ep.last_error = f"model {self.model!r} is not served at {ep.url}"
-            return
-        ep.breaker.half_open()
-        self._wake_waiters()
-
-    def available(self) -> bool:
-        """True when a request could be sent now (some server's breaker is closed or
-        half-open). From inside the client's event loop it also starts due health checks."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        # Probes run on the loop that owns the session; another thread's loop must not take it.
-        if loop is not None and (self._loop is None or self._loop is loop or self._loop.is_closed()):
-            self._ensure_session()
-            self._start_due_probes()
-        return any(ep.breaker.allow() for ep in self._endpoints)
-
-    def batch_hint(self) -> int:
-        """Captions per ``annotate`` call that make one request on the next server to use."""
-        usable = [ep for ep in self._endpoints if ep.breaker.allow()] or self._endpoints
-        return max(ep.sizer.batch for ep in usable)
-
-    def concurrency_hint(self) -> int:
-        """How many ``annotate`` calls in flight keep the usable servers busy."""
-        return max(1, sum(ep.limit() for ep in self._endpoints if ep.breaker.allow()))
-
-    # ------------------------------------------------------------------ dispatch
-    def _wake_waiters(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    def _pick(self, avoid: Optional[_Endpoint]) -> Tuple[Optional[_Endpoint], bool]:
-        """(the free usable server with the fewest requests in flight, whether any is usable)."""
-        self._start_due_probes()
-        usable = [ep for ep in self._endpoints if ep.breaker.allow()]
-        free = [ep for ep in usable if ep.in_flight < ep.limit()]
-        if avoid is not None and len(usable) > 1:
-            # a retry goes to another server when there is one, and waits for it if it is busy
-            # (going back to the one that just failed would spend the retry on it)
-            free = [ep for ep in free if ep is not avoid]
-        if not free:
-            return None, bool(usable)
-        return min(free, key=lambda ep: (ep.in_flight, ep.last_pick)), True
-
-    async def _acquire(self, avoid: Optional[_Endpoint] = None) -> Optional[_Endpoint]:
-        """Reserves a request slot on a server; None when no server is usable (breaker open)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            ep, any_usable = self._pick(avoid)
-            if ep is not None:
-                ep.in_flight += 1
-                ep.last_pick = self._clock()
-                return ep
-            if not any_usable:
-                return None
-            fut = loop.create_future()
-            self._waiters.append(fut)
-            try:  # woken by a release or a recovery; the timeout re-checks breaker cool-downs
-                await asyncio.wait_for(fut, timeout=max(self.probe_interval_s, 0.05))
-            except asyncio.TimeoutError:
-                pass
-
-    def _release(self, ep: _Endpoint) -> None:
-        ep.in_flight -= 1
-        self._wake_waiters()
-
-    def _event(self, category: str, n: int = 1, ep: Optional[_Endpoint] = None) -> None:
-        with self._lock:
-            if ep is not None:
-                ep.counts[category] += n
-            elif category == "unsent":
-                self._unsent += n
-            self._events.append((self._clock(), category, n))
-
-    # ------------------------------------------------------------------ one HTTP request
-    async def _post(self, ep: _Endpoint, path: str, payload: Dict[str, Any], n: int) -> Dict[str, Any]:
-        session = self._ensure_session()
-        limit = ep.sizer.timeout(n)
-        self.stats.requests += 1
-        self._event("sent", 1, ep)
-        start = self._clock()
-        try:
-            async with session.post(
-                f"{ep.url}{path}", json=payload,
-                timeout=aiohttp.ClientTimeout(total=limit, sock_connect=min(limit, 10.0)),
-            ) as resp:
-                status = resp.status
-                body = await resp.read()
-        except aiohttp.ConnectionTimeoutError as err:
-            raise _RequestFailed("connection error", type(err).__name__, category="connection") from None
-        except asyncio.TimeoutError:
-            ep.sizer.record_timeout(n, limit)
-            raise _RequestFailed("timeout", f"no answer within {limit:.3g} s", category="timeout") from None
-        except aiohttp.ClientError as err:
-            raise _RequestFailed("connection error", type(err).__name__, category="connection") from None
-        finally:
-            self.stats.latency_s_total += self._clock() - start
-        latency = self._clock() - start
-        if status in (401, 403):
-            raise _RequestFailed(f"{AUTH_ERROR} (HTTP {status})", retryable=False, category="auth")
-        if status == 429 or status >= 500:
-            raise _RequestFailed(f"http {status}", category="server")
-        if status >= 400:
-            # The request itself is wrong (unknown model, bad parameter): retrying cannot help.
-            detail = _one_line(body[:200].decode("utf-8", "replace"))
-            raise _RequestFailed(f"http {status}", detail, retryable=False, category="rejected")
-        try:
-            data = json.loads(body)
-        except ValueError:
-            raise _RequestFailed("malformed json", category="bad_answer") from None
-        if not isinstance(data, dict):
-            raise _RequestFailed("malformed json", category="bad_answer")
-        ep.sizer.record_answer(n, latency)
-        return data
-
-    def _choices_by_index(self, data: Dict[str, Any], n: int) -> List[Dict[str, Any]]:
-        choices = data.get("choices")
-        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-            raise _RequestFailed("malformed json", category="bad_answer")
-        if len(choices) != n:
-            raise _RequestFailed("wrong count", f"{len(choices)} choices for {n} prompts",
-                                 category="bad_answer")
-        out: List[Optional[Dict[str, Any]]] = [None] * n
-        for pos, choice in enumerate(choices):
-            index = choice.get("index", pos if n == 1 else None)
-            if not isinstance(index, int) or not 0 <= index < n or out[index] is not None:
-                raise _RequestFailed("wrong count", f"bad choice index {index!r}", category="bad_answer")
-            out[index] = choice
-        return out  # type: ignore[return-value]
-
-    def _count_failure(self, failure: _RequestFailed, ep: Optional[_Endpoint]) -> None:
-        self.stats.count_error(failure.kind)
-        if failure.category == "timeout":
-            self.stats.timeouts += 1
-        elif failure.category in ("server", "connection", "bad_answer"):
-            self.stats.server_errors += 1
-        self._event(failure.category, 1, ep)
-        if ep is None:
-            return
-        ep.last_error = f"{failure.kind} {failure.detail}".strip()
-        if failure.category == "auth" and not self._auth_logged:
-            self._auth_logged = True
-            logger.error("LLM server at %s %s (HTTP 401/403): set --llm-api-key or %s", ep.url,
-                         AUTH_ERROR, API_KEY_ENV)
-        if failure.category in _BREAKER_CATEGORIES:
-            was_allowed = ep.breaker.allow()
-            ep.breaker.record_failure()
-            if was_allowed and not ep.breaker.allow():
-                ep.next_probe = self._clock() + self.probe_interval_s
-                logger.warning("LLM server at %s taken out after %d failed requests in a row "
-                               "(last: %s); checking it every %g s", ep.url, ep.breaker.consecutive,
-                               ep.last_error, self.probe_interval_s)
-
-    def _count_success(self, ep: _Endpoint) -> None:
-        self._event("ok", 1, ep)
-        if ep.breaker.consecutive >= ep.breaker.failures:
-            self.recoveries += 1
-            logger.warning("LLM server at %s answers again", ep.url)
-        ep.breaker.record_success()
-        ep.last_error = ""
-
-    async def _send(self, ep: _Endpoint, conversations, options: Dict[str, Any], answers,
-                    chunk: List[int]) -> Optional[_RequestFailed]:
-        """One request for ``chunk``; fills ``answers`` on success, returns the failure if any."""
-        path = "/completions" if self.api == "completions" else "/chat/completions"
-        try:
-            data = await self._post(ep, path, self._payload([conversations[i] for i in chunk], **options),
-                                    len(chunk))
-            choices = self._choices_by_index(data, len(chunk))
-        except _RequestFailed as failure:
-            self._count_failure(failure, ep)
-            return failure
-        self._count_success(ep)
-        for i, choice in zip(chunk, choices):
-            try:
-                text, positions = self._text_and_positions(choice)
-                answers[i] = Completion(text, positions, endpoint=ep)
-            except _RequestFailed as failure:
-                self.stats.count_error(failure.kind)
-                answers[i] = Completion(error=failure.kind)
-        return None
 
     async def complete(
         self,
@@ -1047,142 +226,42 @@ class OpenAIAnnotator:
         temperature: Optional[float] = None,
         logprobs: bool = False,
     ) -> List[Completion]:
-        """Sends chat prompts to the servers; one :class:`Completion` per prompt, in order.
+        """Sends chat prompts of any kind through the client (:meth:`LLMClient.complete
+        <torchrl_oni.annotators.client.LLMClient.complete>`); one :class:`Completion` per
+        prompt, in order, failures included."""
+        return await self.client.complete(conversations, stop=stop, max_tokens=max_tokens,
+                                          temperature=temperature, logprobs=logprobs)
 
-        The request machinery behind :meth:`annotate` and :meth:`compare`, for prompts of any
-        kind (ELLM's goal prompts, :class:`~torchrl_oni.annotators.goals.OpenAIGoalSuggester`,
-        use it): requests go to the least loaded usable server of the pool, sized by its
-        :class:`RequestSizer` (``api="completions"``: several prompts per request, rendered in
-        ``text_style``; ``"chat"``: one each), with its adaptive time limit; server faults are
-        retried with backoff on another server, then returned as ``error`` (never raised); a
-        request that finds no usable server is refused at once (``"circuit open"``). Parse the
-        texts yourself and report each outcome with :meth:`record_parse`.
+    def record_parse(self, parsed: bool, completion: Optional[Completion] = None) -> None:
+        """Counts what was made of an answer of :meth:`complete` (see :meth:`LLMClient.record_parse
+        <torchrl_oni.annotators.client.LLMClient.record_parse>`)."""
+        self.client.record_parse(parsed, completion)
 
-        Args:
-            conversations: the chat messages of each prompt (``[{"role": ..., "content": ...}]``).
-            stop: stop strings (``None``: none).
-            max_tokens: answer length limit (``None``: ``max_tokens`` of the annotator, else 512).
-            temperature: ``None``: the annotator's.
-            logprobs: ask for the top ``top_logprobs`` token logprobs (``Completion.positions``).
-        """
-        n = len(conversations)
-        if not n:
-            return []
-        if self.model is None:
-            return [Completion(error="no model: await check() first") for _ in range(n)]
-        options = {"stop": stop, "temperature": self.temperature if temperature is None else float(temperature),
-                   "max_tokens": int(max_tokens if max_tokens is not None else self.max_tokens or 512),
-                   "logprobs": bool(logprobs)}
-        answers: List[Optional[Completion]] = [None] * n
-        self._ensure_session()
-        queue: Deque[int] = collections.deque(range(n))
-        tries = [0] * n
+    # ------------------------------------------------------------------ provenance
+    def _make_provenances(self, model: Optional[str]) -> _Provenances:
+        labels = Provenance("openai", model or "", P.prompt_version(self.prompt, self.goal))
+        rank_version = (
+            f"{P.prompt_version(self.prompt, self.goal)}/scores"
+            if self.ranking == "scores"
+            else f"{P.prompt_version('ranking', self.goal)}/{self.ranking}"
+        )
+        return model, labels, Provenance("openai", model or "", rank_version)
 
-        async def runner() -> None:
-            avoid: Optional[_Endpoint] = None
-            while queue:
-                ep = await self._acquire(avoid)
-                if ep is None:  # no server usable: refuse the rest at once, nothing is sent
-                    refused = list(queue)
-                    queue.clear()
-                    per_request = max(1, self.batch_hint())
-                    requests = -(-len(refused) // per_request)
-                    self._event("unsent", requests)
-                    for _ in range(requests):
-                        self.stats.count_error(CIRCUIT_OPEN)
-                    for i in refused:
-                        answers[i] = Completion(error=CIRCUIT_OPEN)
-                    return
-                if not queue:
-                    self._release(ep)
-                    return
-                chunk = [queue.popleft() for _ in range(min(ep.sizer.batch, len(queue)))]
-                try:
-                    failure = await self._send(ep, conversations, options, answers, chunk)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as err:  # noqa: BLE001 - a bug in one request must not kill the worker
-                    kind = f"client error: {type(err).__name__}"
-                    self.stats.count_error(kind)
-                    failure = _RequestFailed(kind, retryable=False, category="client")
-                finally:
-                    self._release(ep)
-                if failure is None:
-                    avoid = None
-                    continue
-                retry = []
-                for i in chunk:
-                    tries[i] += 1
-                    if failure.retryable and tries[i] <= self.max_retries:
-                        retry.append(i)
-                    else:
-                        answers[i] = Completion(error=failure.kind)
-                if retry:
-                    queue.extendleft(reversed(retry))  # re-chunked with the server's new size
-                    avoid = ep
-                    delay = min(self.max_backoff_s, self.backoff_s * 2 ** (tries[retry[0]] - 1))
-                    await asyncio.sleep(delay * (0.5 + 0.5 * random.random()))
+    def _current_provenances(self) -> _Provenances:
+        # check() may find the model after construction: the provenances then name it.
+        if self._provenances[0] != self.client.model:
+            self._provenances = self._make_provenances(self.client.model)
+        return self._provenances
 
-        runners = min(n, sum(ep.sizer.max_concurrency for ep in self._endpoints))
-        await asyncio.gather(*(runner() for _ in range(runners)))
-        return answers  # type: ignore[return-value]
+    @property
+    def provenance(self) -> Provenance:
+        """The provenance of the labels: ``openai``, the model, the classification prompt."""
+        return self._current_provenances()[1]
 
-    # ------------------------------------------------------------------ metrics
-    def metrics(self) -> Dict[str, float]:
-        """Counters since the start, current request sizing, per-server entries (see the
-        module docstring). Thread-safe."""
-        with self._lock:
-            totals = collections.Counter()
-            for ep in self._endpoints:
-                totals.update(ep.counts)
-            out: Dict[str, float] = {name: float(totals.get(cat, 0)) for cat, name in _COUNTERS.items()}
-            out["requests_unsent"] = float(self._unsent)
-            out["unparsable"] = float(self.stats.unparsable)
-            out["servers_total"] = float(len(self._endpoints))
-            out["servers_up"] = float(sum(ep.breaker.allow() for ep in self._endpoints))
-            out["timeout_s"] = max(ep.sizer.timeout(ep.sizer.batch) for ep in self._endpoints)
-            out["request_batch"] = float(max(ep.sizer.batch for ep in self._endpoints))
-            out["concurrency"] = float(sum(ep.sizer.concurrency for ep in self._endpoints))
-            for ep in self._endpoints:
-                key = f"server/{ep.index}/"
-                errors = sum(ep.counts.get(c, 0) for c in _BREAKER_CATEGORIES + ("rejected",))
-                out[key + "up"] = float(ep.breaker.allow())
-                out[key + "requests"] = float(ep.counts.get("sent", 0))
-                out[key + "errors"] = float(errors)
-                out[key + "in_flight"] = float(ep.in_flight)
-                out[key + "latency_s"] = ep.sizer.latency_s(0.5)
-                out[key + "labels_per_s"] = ep.labels.rate(60.0, since=self._created)
-                out[key + "batch"] = float(ep.sizer.batch)
-                out[key + "concurrency"] = float(ep.sizer.concurrency)
-                out[key + "timeout_s"] = ep.sizer.timeout(ep.sizer.batch)
-        return out
-
-    def recent(self, window_s: float = 60.0) -> Dict[str, int]:
-        """Requests by outcome over the last ``window_s`` seconds: ``sent``, ``unsent``,
-        ``server``, ``timeout``, ``connection``, ``bad_answer``, ``auth``, ``rejected``, ``ok``
-        (answered), ``unparsable`` (captions). Thread-safe."""
-        now = self._clock()
-        out: Dict[str, int] = collections.Counter()
-        with self._lock:
-            events = list(self._events)
-        for t, category, n in reversed(events):
-            if now - t > window_s:
-                break
-            out[category] += n
-        return dict(out)
-
-    def describe(self) -> str:
-        """One line on the servers' state, e.g. ``"1 of 2 LLM servers up (down: http://...:
-        connection error ClientConnectorError)"``; empty when every server is up."""
-        down = [ep for ep in self._endpoints if not ep.breaker.allow()]
-        if not down:
-            return ""
-        what = "; ".join(f"{ep.url}: {_one_line(ep.last_error or 'failing', 100)}" for ep in down)
-        if len(self._endpoints) == 1:
-            return (f"LLM server taken out after {down[0].breaker.consecutive} failed requests "
-                    f"in a row, checked every {self.probe_interval_s:g} s ({what})")
-        up = len(self._endpoints) - len(down)
-        return f"{up} of {len(self._endpoints)} LLM servers up (down: {what})"
+    @property
+    def ranking_provenance(self) -> Provenance:
+        """The provenance of the preferences: ``openai``, the model, the ranking mode."""
+        return self._current_provenances()[2]
 
     # ------------------------------------------------------------------ prompts → answers
     async def _ask(self, family: str, conversations: Sequence[List[Dict[str, str]]]) -> List[Completion]:
@@ -1191,72 +270,11 @@ class OpenAIAnnotator:
         return await self.complete(conversations, stop=_STOPS[family], max_tokens=max_tokens,
                                    logprobs=self.use_logprobs)
 
-    def _payload(self, conversations: Sequence[List[Dict[str, str]]], *, stop: Optional[List[str]],
-                 temperature: float, max_tokens: int, logprobs: bool) -> Dict[str, Any]:
-        payload: Dict[str, Any] = {"model": self.model, "temperature": temperature, "max_tokens": max_tokens}
-        if stop:
-            payload["stop"] = stop
-        if self.api == "completions":
-            payload["prompt"] = [P.render_text(c, self.text_style) for c in conversations]
-            if logprobs:
-                payload["logprobs"] = self.top_logprobs
-        else:
-            payload["messages"] = conversations[0]
-            if logprobs:
-                payload["logprobs"] = True
-                payload["top_logprobs"] = self.top_logprobs
-        return payload
-
-    @staticmethod
-    def _text_and_positions(choice: Dict[str, Any]) -> Tuple[str, Optional[list]]:
-        if "message" in choice:
-            message = choice.get("message") or {}
-            text = message.get("content") if isinstance(message, dict) else None
-        else:
-            text = choice.get("text")
-        if text is None:
-            text = ""
-        if not isinstance(text, str):
-            raise _RequestFailed("malformed json")
-        positions = None
-        logprobs = choice.get("logprobs")
-        try:
-            if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
-                positions = []
-                for entry in logprobs["content"]:
-                    top = {t["token"]: float(t["logprob"]) for t in entry.get("top_logprobs") or []}
-                    top.setdefault(entry["token"], float(entry["logprob"]))
-                    positions.append((entry["token"], top))
-            elif isinstance(logprobs, dict) and isinstance(logprobs.get("tokens"), list):
-                tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
-                positions = [
-                    (tok, {k: float(v) for k, v in (top or {}).items()})
-                    for tok, top in zip(logprobs["tokens"], tops)
-                ]
-        except (KeyError, TypeError, ValueError):
-            positions = None  # a server's odd logprob layout must not cost us the label
-        return text, positions
-
     # ------------------------------------------------------------------ public API
     def _conversation(self, caption: str) -> List[Dict[str, str]]:
         if self.prompt == "short":
             return P.short_messages(caption, self.goal)
         return P.classification_messages(caption, self.goal)
-
-    def record_parse(self, parsed: bool, completion: Optional[Completion] = None) -> None:
-        """Counts what the caller made of an answer of :meth:`complete`: a usable result
-        (``stats.labelled``, and the answering server's ``labels_per_s``) or an unparsable one
-        (``stats.unparsable``, ``metrics()["unparsable"]``, ``recent()["unparsable"]``: the
-        health summary's "answers cannot be parsed"). Thread-safe for the metrics it feeds."""
-        if not parsed:
-            self.stats.unparsable += 1
-            self.stats.count_error("unparsable")
-            self._event("unparsable")
-            return
-        self.stats.labelled += 1
-        if completion is not None and completion.endpoint is not None:
-            with self._lock:
-                completion.endpoint.labels.add(1)
 
     def _label(self, answer: Completion) -> Label:
         if answer.error is not None:
