@@ -168,6 +168,10 @@ class _Table:
         self.size += n
         return to_numpy(slots, np.int64)
 
+    def queue_columns(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Views of the live rows' ``status`` and ``attempts`` (what a labelling queue works on)."""
+        return self.cols["status"][: self.size], self.cols["attempts"][: self.size]
+
     def rows(self, slots: np.ndarray) -> TensorDict:
         """A copy of the given rows as a TensorDict (torch tensors, batch ``[len(slots)]``)."""
         data = {k: torch.from_numpy(np.array(self.cols[k][slots])) for k in self.fields}

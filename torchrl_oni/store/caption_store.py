@@ -6,14 +6,13 @@ columns of its two tables in :mod:`torchrl_oni.store.captions` and :mod:`torchrl
 from __future__ import annotations
 
 import threading
-import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.store._provenance import ProvenanceTable
-from torchrl_oni.store._queue import MAX_RETRY_S, MAX_SERVER_RETRY_S, is_parse_failure, is_skip, retry_delay, waiting_slots
+from torchrl_oni.store._queue import WorkQueue
 from torchrl_oni.store._snapshot import _SnapshotMethods
 from torchrl_oni.store._table import _HashIndex, _Table
 from torchrl_oni.store.captions import CAPTION_FIELDS, _CaptionMethods
@@ -92,16 +91,11 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
         self._index = _HashIndex()
         self._pair_index: Dict[Tuple[int, int], int] = {}
         self._provenance_table = ProvenanceTable()
-        # slot -> monotonic time before which a failed caption is not handed out again, for
-        # unparsable answers (kept until the caption is labelled) and for server faults (dropped
-        # by requeue_server_failures), with the count of server faults in a row per slot.
-        self._retry_at: Dict[int, float] = {}
-        self._pair_retry_at: Dict[int, float] = {}
-        self._server_retry_at: Dict[int, float] = {}
-        self._pair_server_retry_at: Dict[int, float] = {}
-        self._server_faults: Dict[int, int] = {}
-        self._pair_server_faults: Dict[int, int] = {}
+        # both queues count their failures in one table (saved with the store); the store is
+        # their rules, so a change of max_attempts or a backoff counts from the next failure
         self.error_counts: Dict[str, int] = {}
+        self._caption_queue = WorkQueue(self._captions.queue_columns, self, error_counts=self.error_counts)
+        self._pair_queue = WorkQueue(self._pairs.queue_columns, self, error_counts=self.error_counts)
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
@@ -140,53 +134,8 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
     def claimable(self, captions: bool = True, pairs: bool = True) -> int:
         """How many captions and/or pairs :meth:`claim` / :meth:`claim_pairs` would hand out now."""
         with self._lock:
-            n_pairs = 0
-            if pairs:
-                open_pairs = np.flatnonzero(self._pairs.cols["status"][: self._pairs.size] == UNSEEN)
-                blocked = waiting_slots(self._pair_retry_at, self._pair_server_retry_at)
-                n_pairs = len(open_pairs) - int(np.isin(open_pairs, blocked).sum()) if len(blocked) else len(open_pairs)
-            return (len(self._claimable()) if captions else 0) + n_pairs
-
-    def _fail(self, table: "_Table", slots: np.ndarray, error_kind: str, parse_failure: Optional[bool],
-              retry_at: Dict[int, float], server_retry_at: Dict[int, float],
-              server_faults: Dict[int, int], final: Optional[bool] = None) -> Tuple[np.ndarray, np.ndarray]:
-        """Records failed attempts on ``slots`` of ``table`` (lock held).
-
-        Returns:
-            ``(slots that took the failure, mask of those given up or skipped)``.
-        """
-        cols = table.cols
-        status = cols["status"][slots]
-        slots = slots[(status != LABELLED) & (status != GIVEN_UP) & (status != SKIPPED)]
-        self.error_counts[error_kind] = self.error_counts.get(error_kind, 0) + len(slots)
-        now = time.monotonic()
-        if is_skip(error_kind) if final is None else final:
-            # the labeller declined: a final answer, neither retried nor paid for again
-            cols["status"][slots] = SKIPPED
-            for slot in slots.tolist():
-                retry_at.pop(slot, None)
-                server_retry_at.pop(slot, None)
-                server_faults.pop(slot, None)
-            return slots, np.ones(len(slots), dtype=bool)
-        if not (is_parse_failure(error_kind) if parse_failure is None else parse_failure):
-            # A server fault says nothing about the caption: back to the queue, no attempt spent.
-            cols["status"][slots] = UNSEEN
-            for slot in slots.tolist():
-                k = server_faults.get(slot, 0) + 1
-                server_faults[slot] = k
-                server_retry_at[slot] = now + retry_delay(self.server_retry_s, k, MAX_SERVER_RETRY_S)
-            return slots, np.zeros(len(slots), dtype=bool)
-        cols["attempts"][slots] += 1
-        attempts = cols["attempts"][slots]
-        give_up = attempts >= self.max_attempts
-        cols["status"][slots[give_up]] = GIVEN_UP
-        cols["status"][slots[~give_up]] = UNSEEN
-        delays = retry_delay(self.retry_backoff_s, attempts[~give_up], MAX_RETRY_S)
-        for slot, delay in zip(slots[~give_up].tolist(), delays.tolist()):
-            retry_at[slot] = now + delay
-        for slot in slots[give_up].tolist():
-            retry_at.pop(slot, None)
-        return slots, give_up
+            return ((len(self._caption_queue.claimable()) if captions else 0)
+                    + (len(self._pair_queue.claimable()) if pairs else 0))
 
     def requeue_server_failures(self) -> int:
         """Puts every caption and pair that failed for a server reason back in the queue now.
@@ -210,30 +159,16 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
             ([], 1, ['a'])
         """
         with self._lock:
-            now = time.monotonic()
             count = 0
-            for table, retry_at, faults in ((self._captions, self._server_retry_at, self._server_faults),
-                                            (self._pairs, self._pair_server_retry_at, self._pair_server_faults)):
-                status = table.cols["status"][: table.size]
-                legacy = np.flatnonzero(status == FAILED)
-                status[legacy] = UNSEEN
-                table.cols["attempts"][legacy] = 0
-                waiting = [slot for slot, t in retry_at.items() if t > now and status[slot] == UNSEEN]
-                count += len(legacy) + len(waiting)
-                retry_at.clear()
-                faults.clear()
+            for queue in (self._caption_queue, self._pair_queue):
+                count += len(queue.reopen((FAILED,)))  # left by older versions: see status.py
+                count += queue.requeue_server_failures()
             return count
 
     def release_pending(self) -> int:
         """Sends pending captions and pairs back to unseen (at load, on shutdown); returns how many."""
         with self._lock:
-            released = 0
-            for table in (self._captions, self._pairs):
-                status = table.cols["status"][: table.size]
-                pending = status == PENDING
-                released += int(pending.sum())
-                status[pending] = UNSEEN
-            return released
+            return self._caption_queue.release() + self._pair_queue.release()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> Dict[str, float]:
@@ -265,9 +200,7 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
                 "given_up": int(counts[GIVEN_UP]),
                 "skipped": int(counts[SKIPPED]),
                 "failed": int(counts[FAILED] + counts[GIVEN_UP]),
-                "retrying": int(((status == UNSEEN) & (cols["attempts"][:n] > 0)).sum())
-                + sum(1 for slot in self._server_faults
-                      if status[slot] == UNSEEN and cols["attempts"][slot] == 0),
+                "retrying": self._caption_queue.retrying(),
                 "positives": int((cols["label"][:n][labelled] >= 0.5).sum()),
                 "labelled_fraction": float(counts[LABELLED] / n) if n else 0.0,
                 "seen_coverage": float(seen[labelled].sum() / total_seen) if total_seen else 0.0,

@@ -35,9 +35,8 @@ from tensordict import TensorDict
 
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_messages, hash_messages
-from torchrl_oni.store._queue import waiting_slots
 from torchrl_oni.store._table import ArrayLike, shape_of, to_numpy
-from torchrl_oni.store.status import FAILED, GIVEN_UP, LABELLED, PENDING, UNSEEN
+from torchrl_oni.store.status import FAILED, GIVEN_UP, LABELLED, UNSEEN
 
 __all__ = ["CAPTION_FIELDS"]
 
@@ -166,14 +165,6 @@ class _CaptionMethods:
             out[np.flatnonzero(known)[ok]] = self._captions.cols["score"][s[ok]]
         return torch.from_numpy(out).reshape(shape)
 
-    def _claimable(self) -> np.ndarray:
-        """Unseen caption slots whose retry backoff (if any) has passed, oldest first."""
-        cand = np.flatnonzero(self._captions.cols["status"][: self._captions.size] == UNSEEN)
-        blocked = waiting_slots(self._retry_at, self._server_retry_at)
-        if len(blocked) and len(cand):
-            cand = cand[~np.isin(cand, blocked)]
-        return cand
-
     def claim(self, max_items: int) -> Tuple[torch.Tensor, List[str]]:
         """Hands out up to ``max_items`` captions to annotate and marks them pending.
 
@@ -184,15 +175,13 @@ class _CaptionMethods:
         Returns:
             ``(hashes LongTensor[n], texts list[str])`` (texts decoded latin-1, NULs dropped).
         """
-        max_items = max(int(max_items), 0)
         with self._lock:
             cols = self._captions.cols
-            cand = self._claimable()
-            if self.claim_order == "most_seen" and len(cand):
-                cand = _most_seen_first(cand, cols["times_seen"][cand], max_items)
-            else:
-                cand = cand[:max_items]
-            cols["status"][cand] = PENDING
+
+            def most_seen(cand: np.ndarray, k: int) -> np.ndarray:
+                return _most_seen_first(cand, cols["times_seen"][cand], k)
+
+            cand = self._caption_queue.claim(max_items, most_seen if self.claim_order == "most_seen" else None)
             hashes = np.array(cols[CAPTION_HASH_KEY][cand])
             messages = np.array(cols[MESSAGE_KEY][cand])
         return torch.from_numpy(hashes), decode_messages(messages)
@@ -200,9 +189,7 @@ class _CaptionMethods:
     def pending(self) -> torch.Tensor:
         """Hashes of the captions claimed but not yet labelled or failed."""
         with self._lock:
-            n = self._captions.size
-            cols = self._captions.cols
-            return torch.from_numpy(np.array(cols[CAPTION_HASH_KEY][:n][cols["status"][:n] == PENDING]))
+            return torch.from_numpy(np.array(self._captions.cols[CAPTION_HASH_KEY][self._caption_queue.pending()]))
 
     def set_labels(
         self,
@@ -257,11 +244,8 @@ class _CaptionMethods:
             s = slots[written]
             cols["label"][s] = values[written]
             cols["score"][s] = score_values[written]
-            cols["status"][s] = LABELLED
             cols["provenance"][s] = pids[written]
-            if self._retry_at:
-                for slot in s.tolist():
-                    self._retry_at.pop(slot, None)
+            self._caption_queue.finish(s)
         return torch.from_numpy(written).reshape(shape)
 
     def mark_failed(self, hashes: ArrayLike, error_kind: str = "error", *,
@@ -294,20 +278,15 @@ class _CaptionMethods:
         with self._lock:
             slots = self._index.find(flat)
             idx = np.flatnonzero(slots >= 0)
-            failed, give_up = self._fail(self._captions, slots[idx], error_kind, parse_failure,
-                                         self._retry_at, self._server_retry_at, self._server_faults, final)
+            failed, give_up = self._caption_queue.fail(slots[idx], error_kind, parse_failure=parse_failure,
+                                                       final=final)
             gave_up[idx[np.isin(slots[idx], failed[give_up])]] = True
         return torch.from_numpy(gave_up).reshape(shape)
 
     def retry_failed(self) -> int:
         """Makes every given-up caption unseen again with a fresh attempt count; returns how many."""
         with self._lock:
-            cols = self._captions.cols
-            n = self._captions.size
-            failed = np.flatnonzero(np.isin(cols["status"][:n], (FAILED, GIVEN_UP)))
-            cols["status"][failed] = UNSEEN
-            cols["attempts"][failed] = 0
-            return len(failed)
+            return len(self._caption_queue.reopen((FAILED, GIVEN_UP)))
 
     def given_up(self) -> List[str]:
         """The captions given up because their answers could not be parsed (oldest first)."""
@@ -322,11 +301,7 @@ class _CaptionMethods:
         flat = to_numpy(hashes, np.int64).reshape(-1)
         with self._lock:
             slots = self._index.find(flat)
-            s = slots[slots >= 0]
-            status = self._captions.cols["status"]
-            s = s[status[s] == PENDING]
-            status[s] = UNSEEN
-            return len(s)
+            return self._caption_queue.release(slots[slots >= 0])
 
     def labelled_data(self) -> TensorDict:
         """Every labelled caption: ``message``, ``caption_hash``, ``label``, ``score``, ``times_seen``."""

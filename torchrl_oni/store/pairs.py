@@ -29,9 +29,8 @@ from tensordict import TensorDict
 
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, decode_messages
-from torchrl_oni.store._queue import waiting_slots
 from torchrl_oni.store._table import ArrayLike, to_numpy
-from torchrl_oni.store.status import LABELLED, PENDING, UNSEEN
+from torchrl_oni.store.status import LABELLED, UNSEEN
 
 __all__ = ["PAIR_FIELDS"]
 
@@ -94,16 +93,9 @@ class _PairMethods:
         Returns:
             ``(pair_slots LongTensor[n], [(text_a, text_b), ...])``.
         """
-        max_items = max(int(max_items), 0)
         with self._lock:
             cols = self._pairs.cols
-            n = self._pairs.size
-            cand = np.flatnonzero(cols["status"][:n] == UNSEEN)
-            blocked = waiting_slots(self._pair_retry_at, self._pair_server_retry_at)
-            if len(blocked) and len(cand):
-                cand = cand[~np.isin(cand, blocked)]
-            cand = cand[:max_items]
-            cols["status"][cand] = PENDING
+            cand = self._pair_queue.claim(max_items)
             msgs = self._captions.cols[MESSAGE_KEY]
             texts_a = decode_messages(np.array(msgs[cols["slot_a"][cand]]))
             texts_b = decode_messages(np.array(msgs[cols["slot_b"][cand]]))
@@ -139,10 +131,8 @@ class _PairMethods:
             written = ~self._provenance_table.protected(cols["provenance"][s], pids)
             s, values, pids = s[written], values[written], pids[written]
             cols["preference"][s] = values
-            cols["status"][s] = LABELLED
             cols["provenance"][s] = pids
-            for slot in s.tolist():
-                self._pair_retry_at.pop(slot, None)
+            self._pair_queue.finish(s)
         return torch.from_numpy(written)
 
     def mark_pairs_failed(self, pair_slots: ArrayLike, error_kind: str = "error", *,
@@ -150,14 +140,12 @@ class _PairMethods:
         """Like :meth:`mark_failed`, for pairs."""
         with self._lock:
             s = self._check_pair_slots(pair_slots)
-            self._fail(self._pairs, s, error_kind, parse_failure, self._pair_retry_at,
-                       self._pair_server_retry_at, self._pair_server_faults, final)
+            self._pair_queue.fail(s, error_kind, parse_failure=parse_failure, final=final)
 
     def pending_pairs(self) -> torch.Tensor:
         """Slots of the pairs claimed but not yet answered."""
         with self._lock:
-            n = self._pairs.size
-            return torch.from_numpy(np.flatnonzero(self._pairs.cols["status"][:n] == PENDING))
+            return torch.from_numpy(self._pair_queue.pending())
 
     def sample_labelled_pairs(self, batch_size: int, generator: Optional[np.random.Generator] = None) -> TensorDict:
         """A uniform sample (with replacement) of labelled pairs; an empty batch when none.
@@ -185,9 +173,5 @@ class _PairMethods:
     def release_pairs(self, pair_slots: ArrayLike) -> int:
         """Sends the given pending pairs back to unseen."""
         with self._lock:
-            s = self._check_pair_slots(pair_slots)
-            status = self._pairs.cols["status"]
-            s = s[status[s] == PENDING]
-            status[s] = UNSEEN
-            return len(s)
+            return self._pair_queue.release(self._check_pair_slots(pair_slots))
 
