@@ -82,7 +82,6 @@ def test_server_fault_spends_no_attempt_and_waits_a_doubling_backoff(clock):
         clock.now += wait - 0.01
         assert queue.claimable().tolist() == []  # still waiting
         clock.now += 0.02
-    assert queue.error_counts == {"timeout": 9}
 
 
 def test_unparsable_answers_spend_attempts_then_give_up(clock):
@@ -98,11 +97,10 @@ def test_unparsable_answers_spend_attempts_then_give_up(clock):
     queue.claim(2)
     assert queue.fail(np.array([0]), "unparsable")[1].tolist() == [True]
     assert rows.status[0] == GIVEN_UP and queue.retrying() == 0
-    # a late failure leaves given-up and labelled items alone, and is not counted
+    # a late failure leaves given-up and labelled items alone
     queue.finish(np.array([1]))
     failed, _ = queue.fail(np.array([0, 1]), "unparsable")
     assert failed.tolist() == [] and rows.status.tolist() == [GIVEN_UP, LABELLED]
-    assert queue.error_counts == {"unparsable": 3}
 
 
 def test_parse_failure_and_final_override_the_error_kind(clock):
@@ -184,14 +182,3 @@ def test_rules_are_read_at_each_failure(clock):
     clock.now += MAX_RETRY_S
     queue.claim(1)
     assert queue.fail(np.array([0]), "unparsable")[1].tolist() == [True]
-
-
-def test_shared_error_counts():
-    counts = {}
-    a, b = Rows(1), Rows(1)
-    qa = WorkQueue(a.columns, RetryRules(), error_counts=counts)
-    qb = WorkQueue(b.columns, RetryRules(), error_counts=counts)
-    qa.claim(1), qb.claim(1)
-    qa.fail(np.array([0]), "timeout")
-    qb.fail(np.array([0]), "timeout")
-    assert counts == {"timeout": 2} and qa.error_counts is counts

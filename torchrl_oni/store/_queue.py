@@ -133,8 +133,6 @@ class WorkQueue:
             live rows (called at each operation, so the owner may grow or replace its arrays).
         rules: ``max_attempts``, ``retry_backoff_s``, ``server_retry_s`` (see the module
             docstring), read at each failure.
-        error_counts: ``{error kind: count}`` that failures are counted in (the owner's, shared
-            when it has several queues); a new dict when omitted.
         given_up: the status of an item given up after ``max_attempts`` unparsable answers:
             :data:`~torchrl_oni.store.status.GIVEN_UP`, or ``FAILED`` for ELLM's goal table,
             whose saved files use 3 for it.
@@ -148,15 +146,12 @@ class WorkQueue:
         >>> queue.finish(np.array([0]))
         >>> queue.fail(np.array([1]), "unparsable")[1].tolist(), status.tolist()   # given up
         ([True], [2, 4, 0])
-        >>> queue.error_counts
-        {'unparsable': 1}
     """
 
     def __init__(self, columns: Callable[[], Tuple[np.ndarray, np.ndarray]], rules: QueueRules, *,
-                 error_counts: Optional[Dict[str, int]] = None, given_up: int = GIVEN_UP):
+                 given_up: int = GIVEN_UP):
         self._columns = columns
         self.rules = rules
-        self.error_counts: Dict[str, int] = {} if error_counts is None else error_counts
         self.given_up = given_up
         # slot -> monotonic time before which a failed item is not handed out again: after
         # unparsable answers (kept until the item is answered) and after server faults (dropped
@@ -217,12 +212,12 @@ class WorkQueue:
         given-up and skipped items are left alone (a late failure never erases an answer).
 
         Returns:
-            ``(slots that took the failure, mask of those given up or skipped)``.
+            ``(slots that took the failure, mask of those given up or skipped)``: the owner
+            counts the failures it keeps statistics of.
         """
         status = self.status
         current = status[slots]
         slots = slots[(current != LABELLED) & (current != self.given_up) & (current != SKIPPED)]
-        self.error_counts[error_kind] = self.error_counts.get(error_kind, 0) + len(slots)
         now = time.monotonic()
         if is_skip(error_kind) if final is None else final:
             # the labeller declined: a final answer, neither retried nor paid for again

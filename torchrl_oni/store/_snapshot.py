@@ -131,7 +131,7 @@ class _SnapshotMethods:
             **options,
         )
         store._provenance_table = ProvenanceTable([Provenance(*p) for p in data["provenances"]])
-        store.error_counts.update(data["error_counts"])  # the dict its queues count in
+        store.error_counts = dict(data["error_counts"])
         if size:
             slots = store._captions.append({k: v.numpy() for k, v in captions.items()}, size)
             store._index = _HashIndex.from_arrays(captions[CAPTION_HASH_KEY].numpy(), slots)

@@ -91,11 +91,11 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
         self._index = _HashIndex()
         self._pair_index: Dict[Tuple[int, int], int] = {}
         self._provenance_table = ProvenanceTable()
-        # both queues count their failures in one table (saved with the store); the store is
-        # their rules, so a change of max_attempts or a backoff counts from the next failure
+        # the store is its queues' rules: a change of max_attempts or a backoff counts from the
+        # next failure
+        self._caption_queue = WorkQueue(self._captions.queue_columns, self)
+        self._pair_queue = WorkQueue(self._pairs.queue_columns, self)
         self.error_counts: Dict[str, int] = {}
-        self._caption_queue = WorkQueue(self._captions.queue_columns, self, error_counts=self.error_counts)
-        self._pair_queue = WorkQueue(self._pairs.queue_columns, self, error_counts=self.error_counts)
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
@@ -130,6 +130,10 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
         """``int16`` ids (into :attr:`provenances`) of every provenance whose ``annotator`` is this."""
         with self._lock:
             return self._provenance_table.ids_of_annotator(annotator)
+
+    def _count_errors(self, error_kind: str, n: int) -> None:
+        """Counts ``n`` failures of captions or pairs (lock held; a kind is listed even at 0)."""
+        self.error_counts[error_kind] = self.error_counts.get(error_kind, 0) + n
 
     def claimable(self, captions: bool = True, pairs: bool = True) -> int:
         """How many captions and/or pairs :meth:`claim` / :meth:`claim_pairs` would hand out now."""

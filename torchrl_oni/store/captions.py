@@ -280,6 +280,7 @@ class _CaptionMethods:
             idx = np.flatnonzero(slots >= 0)
             failed, give_up = self._caption_queue.fail(slots[idx], error_kind, parse_failure=parse_failure,
                                                        final=final)
+            self._count_errors(error_kind, len(failed))
             gave_up[idx[np.isin(slots[idx], failed[give_up])]] = True
         return torch.from_numpy(gave_up).reshape(shape)
 

@@ -140,7 +140,8 @@ class _PairMethods:
         """Like :meth:`mark_failed`, for pairs."""
         with self._lock:
             s = self._check_pair_slots(pair_slots)
-            self._pair_queue.fail(s, error_kind, parse_failure=parse_failure, final=final)
+            failed, _ = self._pair_queue.fail(s, error_kind, parse_failure=parse_failure, final=final)
+            self._count_errors(error_kind, len(failed))
 
     def pending_pairs(self) -> torch.Tensor:
         """Slots of the pairs claimed but not yet answered."""
