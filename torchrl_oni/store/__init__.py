@@ -88,10 +88,12 @@ from torchrl_oni.store._queue import (
     is_skip,
     retry_delay,
     waiting_slots,
+    RetryRules,
+    WorkQueue,
 )
 from torchrl_oni.store.caption_store import CaptionStore
 from torchrl_oni.store.status import FAILED, GIVEN_UP, LABELLED, PENDING, SKIPPED, STATUS_NAMES, UNSEEN, Status
 
-__all__ = ["CaptionStore", "Status", "UNSEEN", "PENDING", "LABELLED", "FAILED", "GIVEN_UP", "SKIPPED", "HUMAN",
+__all__ = ["CaptionStore", "WorkQueue", "RetryRules", "Status", "UNSEEN", "PENDING", "LABELLED", "FAILED", "GIVEN_UP", "SKIPPED", "HUMAN",
            "SKIP_ERROR", "is_parse_failure", "is_skip", "retry_delay", "waiting_slots", "MAX_RETRY_S",
            "MAX_SERVER_RETRY_S"]
