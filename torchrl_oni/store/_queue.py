@@ -31,7 +31,7 @@ from typing import Callable, Dict, Iterable, Optional, Protocol, Tuple
 
 import numpy as np
 
-from torchrl_oni.annotators.teacher import SKIP_ERROR
+from torchrl_oni.annotators.base import SKIP_ERROR
 from torchrl_oni.store.status import GIVEN_UP, LABELLED, PENDING, SKIPPED, UNSEEN
 
 __all__ = ["WorkQueue", "RetryRules", "is_parse_failure", "is_skip", "retry_delay", "waiting_slots", "MAX_RETRY_S", "MAX_SERVER_RETRY_S"]
