@@ -16,6 +16,7 @@ from torchrl_oni.annotators.base import FIRST, SECOND, TIE, Provenance
 from torchrl_oni.captions import MESSAGE_LEN, caption_hash, decode_message, encode_messages, hash_messages
 from torchrl_oni import store as store_module
 from torchrl_oni.store import CaptionStore
+from torchrl_oni.store import _snapshot as store_snapshot
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(60)
@@ -381,7 +382,7 @@ def test_crash_during_save_keeps_last_good_file(tmp_path, monkeypatch):
         file.write(b"half a file")
         raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of the write
 
-    monkeypatch.setattr(store_module, "_write_snapshot", crash)
+    monkeypatch.setattr(store_snapshot, "_write_snapshot", crash)
     with pytest.raises(KeyboardInterrupt):
         newer.save(path)
     assert [p.name for p in tmp_path.iterdir()] == ["store.pt"]  # temp file cleaned up
@@ -398,12 +399,13 @@ def test_hard_crash_during_save_keeps_last_good_file(tmp_path):
         f"""
         import os
         from torchrl_oni import store as m
+        from torchrl_oni.store import _snapshot
         s = m.CaptionStore.load({str(path)!r})
         def crash(snapshot, file):
             file.write(b"torn")
             file.flush()
             os._exit(17)
-        m._write_snapshot = crash
+        _snapshot._write_snapshot = crash
         s.save({str(path)!r})
         """
     )

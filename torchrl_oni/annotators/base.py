@@ -24,6 +24,10 @@ FIRST = 0.0
 SECOND = 1.0
 TIE = 0.5
 
+# The error kind of a labeller's refusal to answer (a person, a simulated teacher): a final answer
+# that labelling queues never ask again (torchrl_oni.store.is_skip).
+SKIP_ERROR = "skip"
+
 
 @dataclass(frozen=True)
 class Provenance:

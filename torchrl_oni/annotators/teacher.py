@@ -43,12 +43,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from torchrl_oni.annotators.base import FIRST, SECOND, TIE, AnnotatorStats, Label, Preference, Provenance
+from torchrl_oni.annotators.base import FIRST, SECOND, SKIP_ERROR, TIE, AnnotatorStats, Label, Preference, Provenance
 from torchrl_oni.annotators.scripted import ScriptedAnnotator
 
-__all__ = ["SimulatedTeacher", "SKIP_ERROR"]
-
-SKIP_ERROR = "skip"
+__all__ = ["SimulatedTeacher", "SKIP_ERROR"]  # SKIP_ERROR lives in annotators.base, re-exported here
 
 
 def _sigmoid(x: float) -> float:

@@ -156,7 +156,7 @@ from torchrl_oni.captions import (
     MSG_COUNT_KEY,
     decode_message,
 )
-from torchrl_oni.store import MAX_RETRY_S, MAX_SERVER_RETRY_S, is_parse_failure, retry_delay, waiting_slots
+from torchrl_oni.store import FAILED, LABELLED, PENDING, UNSEEN, WorkQueue
 
 __all__ = [
     "GoalTable",
@@ -182,7 +182,10 @@ STATE_HASH_KEY = "state_hash"
 INTRINSIC_REWARD_KEY = "intrinsic_reward"
 TRAJ_IDS_KEY = ("collector", "traj_ids")
 
-UNSEEN, PENDING, DONE, FAILED = 0, 1, 2, 3
+# The goal table's statuses are the shared ones (torchrl_oni.store.status), saved as numbers: a
+# state with goals is LABELLED (2), which this module calls DONE; one given up after
+# max_attempts unparsable answers is FAILED (3), as tables of versions 1 and 2 saved it.
+DONE = LABELLED
 _FORMAT = "torchrl_oni.GoalTable"
 _VERSION = 2  # 2: only unparsable answers give a state up (1: any failure did)
 
@@ -321,8 +324,10 @@ class GoalTable:
     Goals are stored as ids into :attr:`goal_texts` (``int32[M]`` per state, ``-1`` padded), so a
     goal suggested for many states is embedded once. Life of a state: :meth:`add` → unseen →
     :meth:`claim` → pending → :meth:`set_goals` → done, or :meth:`mark_failed` → unseen again.
-    Failures follow :class:`~torchrl_oni.store.CaptionStore`'s rule (the same
-    :func:`~torchrl_oni.store.is_parse_failure` and :func:`~torchrl_oni.store.retry_delay`):
+    The queue is :class:`~torchrl_oni.store.CaptionStore`'s (one
+    :class:`~torchrl_oni.store.WorkQueue`, the same :func:`~torchrl_oni.store.is_parse_failure`
+    and :func:`~torchrl_oni.store.retry_delay`), except that a given-up state is ``FAILED`` (3)
+    and a ``"skip"`` is a server fault like any other error:
 
     * a **server fault** (timeout, HTTP 5xx, connection error, circuit breaker open, an
       exception: anything but an unparsable answer) says nothing about the state: it waits
@@ -372,13 +377,10 @@ class GoalTable:
         self._goal_id: Dict[str, int] = {}
         self.provenances: List[Provenance] = []
         self._provenance_id: Dict[Provenance, int] = {}
-        # slot -> monotonic time before which a failed state is not handed out again: after
-        # unparsable answers, and after server faults (with the count of those in a row)
-        self._retry_at: Dict[int, float] = {}
-        self._server_retry_at: Dict[int, float] = {}
-        self._server_faults: Dict[int, int] = {}
         self.dropped = 0
         self.error_counts: Dict[str, int] = {}
+        # the table is the queue's rules (max_attempts, backoffs); FAILED is its saved given-up status
+        self._queue = WorkQueue(self._queue_columns, self, given_up=FAILED)
 
     def _alloc(self, n: int) -> None:
         old = getattr(self, "_cols", None)
@@ -394,6 +396,9 @@ class GoalTable:
             for k, v in old.items():
                 cols[k][: self._size] = v[: self._size]
         self._cols = cols
+
+    def _queue_columns(self) -> Tuple[np.ndarray, np.ndarray]:
+        return self._cols["status"][: self._size], self._cols["attempts"][: self._size]
 
     def __len__(self) -> int:
         return self._size
@@ -460,29 +465,21 @@ class GoalTable:
             return None if slot is None else self._captions[slot]
 
     # ------------------------------------------------------------------ the request queue
-    def _claimable(self) -> np.ndarray:
-        """Unseen slots whose retry wait (if any) is over (lock held)."""
-        cand = np.flatnonzero(self._cols["status"][: self._size] == UNSEEN)
-        if len(cand):
-            waiting = waiting_slots(self._retry_at, self._server_retry_at)
-            if len(waiting):
-                cand = cand[~np.isin(cand, waiting)]
-        return cand
-
     def claimable(self) -> int:
         """How many states :meth:`claim` would hand out now."""
         with self._lock:
-            return len(self._claimable())
+            return len(self._queue.claimable())
 
     def claim(self, max_items: int) -> Tuple[List[int], List[str]]:
         """Up to ``max_items`` unseen states (most seen first), marked pending: ``(hashes, captions)``."""
         with self._lock:
             cols = self._cols
-            cand = self._claimable()
-            if len(cand) > max_items:
-                order = np.lexsort((cand, -cols["times_seen"][cand]))
-                cand = cand[order[: max(int(max_items), 0)]]
-            cols["status"][cand] = PENDING
+
+            def most_seen(cand: np.ndarray, k: int) -> np.ndarray:
+                # when all fit, they go out in slot order
+                return cand if len(cand) <= k else cand[np.lexsort((cand, -cols["times_seen"][cand]))[:k]]
+
+            cand = self._queue.claim(max_items, most_seen)
             return cols["hash"][cand].tolist(), [self._captions[s] for s in cand.tolist()]
 
     def _slots(self, hashes) -> List[int]:
@@ -493,6 +490,7 @@ class GoalTable:
         """Stores goals (at most ``max_goals`` each); returns the goal texts new to the vocabulary."""
         provs = [provenance] * len(hashes) if isinstance(provenance, Provenance) else list(provenance)
         fresh: List[str] = []
+        done: List[int] = []
         with self._lock:
             cols = self._cols
             for h, state_goals, prov in zip(hashes, goals, provs):
@@ -514,73 +512,38 @@ class GoalTable:
                     pid = self._provenance_id[prov] = len(self.provenances)
                     self.provenances.append(prov)
                 cols["provenance"][slot] = pid
-                cols["status"][slot] = DONE
-                self._forget_failures(slot)
+                done.append(slot)
+            self._queue.finish(np.array(done, dtype=np.int64))
         return fresh
-
-    def _forget_failures(self, slot: int) -> None:
-        self._retry_at.pop(slot, None)
-        self._server_retry_at.pop(slot, None)
-        self._server_faults.pop(slot, None)
 
     def mark_failed(self, hashes: Sequence[int], kind: str = "error") -> int:
         """Records failed requests of kind ``kind`` (see the class docstring): a server fault sends
         the states back to unseen after a short wait, an unparsable answer spends an attempt.
         States with goals or given up are left alone. Returns how many were given up."""
-        gave_up = 0
-        server_fault = not is_parse_failure(kind)
         with self._lock:
-            cols = self._cols
-            now = time.monotonic()
-            for slot in self._slots(hashes):
-                if cols["status"][slot] in (DONE, FAILED):
-                    continue  # a late failure never erases goals
-                self.error_counts[kind] = self.error_counts.get(kind, 0) + 1
-                if server_fault:
-                    k = self._server_faults[slot] = self._server_faults.get(slot, 0) + 1
-                    cols["status"][slot] = UNSEEN
-                    self._server_retry_at[slot] = now + retry_delay(self.server_retry_s, k, MAX_SERVER_RETRY_S)
-                    continue
-                cols["attempts"][slot] += 1
-                attempts = int(cols["attempts"][slot])
-                if attempts >= self.max_attempts:
-                    cols["status"][slot] = FAILED
-                    self._forget_failures(slot)
-                    gave_up += 1
-                else:
-                    cols["status"][slot] = UNSEEN
-                    self._retry_at[slot] = now + retry_delay(self.retry_backoff_s, attempts, MAX_RETRY_S)
-        return gave_up
+            slots = np.array(self._slots(hashes), dtype=np.int64)
+            # no skips here: a goal suggester does not decline, and "skip" stays an error kind
+            failed, gave_up = self._queue.fail(slots, kind, final=False)
+            if len(failed):  # only kinds that happened are listed
+                self.error_counts[kind] = self.error_counts.get(kind, 0) + len(failed)
+            return int(gave_up.sum())
 
     def requeue_server_failures(self) -> int:
         """Ends the waits of every state that failed for a server reason; returns how many were
         waiting. The worker calls it when a server that was out answers again."""
         with self._lock:
-            now = time.monotonic()
-            status = self._cols["status"]
-            waiting = sum(1 for slot, t in self._server_retry_at.items() if t > now and status[slot] == UNSEEN)
-            self._server_retry_at.clear()
-            self._server_faults.clear()
-            return waiting
+            return self._queue.requeue_server_failures()
 
     def release(self, hashes: Optional[Sequence[int]] = None) -> int:
         """Pending states (the given ones, or all) back to unseen; returns how many."""
         with self._lock:
-            status = self._cols["status"]
-            slots = np.flatnonzero(status[: self._size] == PENDING) if hashes is None else \
-                np.array([s for s in self._slots(hashes) if status[s] == PENDING], np.int64)
-            status[slots] = UNSEEN
-            return len(slots)
+            return self._queue.release(None if hashes is None else np.array(self._slots(hashes), dtype=np.int64))
 
     def retry_failed(self) -> int:
         """Given-up states become unseen again with a fresh attempt count; returns how many."""
         with self._lock:
-            cols = self._cols
-            failed = np.flatnonzero(cols["status"][: self._size] == FAILED)
-            cols["status"][failed] = UNSEEN
-            cols["attempts"][failed] = 0
-            for slot in failed.tolist():
-                self._forget_failures(slot)
+            failed = self._queue.reopen((FAILED,))
+            self._queue.forget(failed)  # the server faults before they were given up count no more
             return len(failed)
 
     def stats(self) -> Dict[str, float]:
@@ -592,8 +555,7 @@ class GoalTable:
             attempts = self._cols["attempts"][: self._size]
             counts = np.bincount(status, minlength=4) if self._size else np.zeros(4, np.int64)
             goals = self._cols["goals"][: self._size][status == DONE]
-            retrying = int(((status == UNSEEN) & (attempts > 0)).sum()) + sum(
-                1 for slot in self._server_faults if status[slot] == UNSEEN and attempts[slot] == 0)
+            retrying = self._queue.retrying()
             return {
                 "states": self._size,
                 "unseen": int(counts[UNSEEN]),
