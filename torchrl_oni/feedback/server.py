@@ -9,7 +9,7 @@ trainer never calls into the server, a closed page or a person who walks away co
 ``oni-label`` (:mod:`torchrl_oni.feedback.cli`) serves a saved store the same way.
 
 What the page shows: the captions that have no human label yet, most useful first — the most
-seen (:func:`torchrl_oni.active.select`, rule ``frequency``), or, when a reward-model ensemble is
+seen (:func:`torchrl_oni.queries.select`, rule ``frequency``), or, when a reward-model ensemble is
 given, the ones its members disagree on most (``disagree``) — each with how often it was seen,
 the game screen it appeared on (:class:`~torchrl_oni.feedback.screens.ScreenSnapshots`) and the
 current LLM label, hidden until asked for (no anchoring). One key per answer, undo, a counter,
@@ -72,7 +72,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from torchrl_oni.active import select
+from torchrl_oni.queries import select
 from torchrl_oni.annotators.base import FIRST, SECOND, TIE, Provenance
 from torchrl_oni.captions import decode_message
 from torchrl_oni.feedback.screens import ScreenSnapshots
