@@ -50,11 +50,8 @@ bucket, hunger and the sorted, de-duplicated set of ``(feature id, adjacent?)`` 
 crop; one ``numpy.unique`` over the batch's rows finds the distinct keys, and an LRU cache maps a
 key to its (text, hash), so only keys never seen before are turned into text (Python).
 
-Measured (2-core VM shared with other jobs, random agent on NetHack Score, batches of 32 games ×
-32 steps, main-thread CPU time): 20 ms per 1k steps over the first 5k steps (140 → 50 new states
-per batch), 6 ms per 1k steps after 50k steps (30–40 new states per batch), 3 ms per 1k steps
-when every key is cached; one env step of 32 games (as in
-:class:`~torchrl_oni.rewards.ellm.GoalEmbeddingTransform`) about 10 µs per game.
+The cost falls as a run goes on and more keys are cached (BENCHMARKS.md, "Measurements behind
+design choices").
 
 Example:
     >>> import numpy as np

@@ -18,10 +18,8 @@ TorchRL's own machinery (``torchrl.modules.inference_server``):
 * **transport**: TorchRL's ``ProcessSlotTransport`` when the request layout is known (pass
   ``example``): each worker owns a request and a response slot in CPU shared memory, only a
   semaphore and an event cross processes, and the server gathers the ready slots into one batch
-  (pinned and copied without blocking when it runs on CUDA). Median round trip of a ``[32]``
-  request (the ONI policy's keys) from a spawned process, trivial model, 2 CPU cores, 5 runs:
-  ProcessSlotTransport 0.9-1.4 ms, SharedMemoryTransport (slots too, indices through a queue)
-  1.0-1.2 ms, MPTransport (pickles each TensorDict through queues) 4.7-7.1 ms. Without
+  (pinned and copied without blocking when it runs on CUDA). It had the shortest round trip of
+  TorchRL's transports (BENCHMARKS.md, "Measurements behind design choices"). Without
   ``example`` the server falls back to ``MPTransport``, which needs no layout;
 * **exploration**: each request carries the worker's interaction type (the collector's
   ``exploration_type``, RANDOM by default), and the server samples under it, as the local actor
