@@ -1,7 +1,8 @@
 """Where the env workers run: local processes or Ray actors on any node, behind one collector.
 
 :func:`make_collector` returns the collector :class:`~torchrl_oni.train.ppo.Trainer` iterates,
-for one of two backends:
+for one of the backends registered by name in :mod:`torchrl_oni.train.backends`; the two built in
+are made here:
 
 * ``"local"``: TorchRL's ``MultiAsyncCollector``, one process per env factory on this machine;
 * ``"ray"``: TorchRL's ``RayCollector`` (``torchrl.collectors.distributed``), one Ray actor per env
@@ -69,6 +70,7 @@ import socket
 import threading
 import time
 import warnings
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -77,25 +79,29 @@ from torchrl.collectors import Collector, MultiAsyncCollector
 from torchrl.collectors.distributed import RayCollector
 from torchrl.weight_update import WeightSyncScheme
 
+from .backends import get_backend
+
 __all__ = [
-    "BACKENDS",
     "ObjectStoreWeightSyncScheme",
     "RayEnvCollector",
     "ServedPolicyCollector",
     "check_backend",
+    "check_ray",
+    "make_local_collector",
+    "make_ray_collector",
     "make_collector",
     "ray_init_kwargs",
 ]
 
 log = logging.getLogger("torchrl_oni.train")
 
-BACKENDS = ("local", "ray")
 DEFAULT_OBJECT_STORE_MEMORY = 200 * 2**20  # bytes; batches are a few MB, weights under 1 MB
 _ADDRESS = re.compile(r"^(auto|[^\s:/]+:\d{1,5})$")
 
 
 def check_backend(backend: str, ray_address: Optional[str] = None) -> None:
-    """Raises ``ValueError`` with one sentence if the backend cannot be used here.
+    """Raises ``ValueError`` with one sentence if the backend cannot be used here (the registered
+    backend's own check, :mod:`torchrl_oni.train.backends`).
 
     Example:
         >>> check_backend("local")
@@ -104,12 +110,11 @@ def check_backend(backend: str, ray_address: Optional[str] = None) -> None:
         ...
         ValueError: --ray-address 'head-node': expected auto or HOST:PORT
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown --backend {backend!r} (local or ray)")
-    if backend == "local":
-        if ray_address is not None:
-            raise ValueError("--ray-address needs --backend ray")
-        return
+    get_backend(backend).check(SimpleNamespace(backend=backend, ray_address=ray_address))
+
+
+def check_ray(ray_address: Optional[str]) -> None:
+    """The Ray backend's check: a well-formed address, and Ray installed."""
     if ray_address is not None and not _ADDRESS.match(ray_address):
         raise ValueError(f"--ray-address {ray_address!r}: expected auto or HOST:PORT")
     try:
@@ -508,42 +513,50 @@ def make_collector(
         ``MultiAsyncCollector`` or :class:`RayEnvCollector`: iterate it, call
         ``update_policy_weights_(weights)`` after each update, ``shutdown()`` at the end.
     """
-    if backend != "local" and (worker_policies is not None or exploration_type is not None):
-        what = "a PolicyServer's worker policies" if worker_policies is not None else "exploration_type"
-        raise ValueError(f"{what} needs --backend local: Ray actors cannot reach a server in this process")
-    check_backend(backend, ray_address)
-    if backend == "local":
-        from torchrl.weight_update import SharedMemWeightSyncScheme
-
-        from ..spawn_check import check_main_guard
-
-        check_main_guard()  # a script without a __main__ guard would hang TorchRL's collector start
-
-        common = dict(frames_per_batch=frames_per_batch, total_frames=total_frames, device="cpu",
-                      storing_device="cpu", split_trajs=False, num_sub_threads=1)
-        if exploration_type is not None:
-            common["exploration_type"] = exploration_type
-        if worker_policies is not None:
-            worker_policies = list(worker_policies)
-            if len(worker_policies) != len(env_factories):
-                raise ValueError(f"{len(worker_policies)} worker policies for {len(env_factories)} env workers")
-            return ServedPolicyCollector(list(env_factories), policy_factory=[_Given(p) for p in worker_policies],
-                                         **common)
-        return MultiAsyncCollector(
-            list(env_factories),
-            policy,
-            **common,
-            # the learner does not wait for every worker to acknowledge new weights (waiting cost
-            # 7 ms an update of 36 ms, light policy on 2 cores); each worker's background thread
-            # copies them into its policy when it reads the instruction, as it did before
-            weight_sync_schemes={"policy": SharedMemWeightSyncScheme(sync=False)},
-        )
-    return _make_ray_collector(env_factories, policy, frames_per_batch, total_frames, ray_address,
-                               num_cpus_per_actor, max_restarts, object_store_memory, worker_timeout)
+    dist = SimpleNamespace(backend=backend, ray_address=ray_address, ray_num_cpus_per_actor=num_cpus_per_actor,
+                           ray_max_restarts=max_restarts, object_store_memory=object_store_memory,
+                           worker_timeout=worker_timeout)
+    chosen = get_backend(backend)
+    chosen.check(dist)
+    return chosen.make(env_factories, policy, frames_per_batch=frames_per_batch, total_frames=total_frames, dist=dist,
+                       worker_policies=worker_policies, exploration_type=exploration_type)
 
 
-def _make_ray_collector(env_factories, policy, frames_per_batch, total_frames, ray_address,
-                        num_cpus_per_actor, max_restarts, object_store_memory, worker_timeout):
+def make_local_collector(env_factories: Sequence[Callable], policy: torch.nn.Module, *, frames_per_batch: int,
+                         total_frames: int, worker_policies=None, exploration_type=None):
+    """The ``local`` backend: ``MultiAsyncCollector``, one process per factory on this machine
+    (:class:`ServedPolicyCollector` when the workers act through a policy server)."""
+    from torchrl.weight_update import SharedMemWeightSyncScheme
+
+    from ..spawn_check import check_main_guard
+
+    check_main_guard()  # a script without a __main__ guard would hang TorchRL's collector start
+    common = dict(frames_per_batch=frames_per_batch, total_frames=total_frames, device="cpu",
+                  storing_device="cpu", split_trajs=False, num_sub_threads=1)
+    if exploration_type is not None:
+        common["exploration_type"] = exploration_type
+    if worker_policies is not None:
+        worker_policies = list(worker_policies)
+        if len(worker_policies) != len(env_factories):
+            raise ValueError(f"{len(worker_policies)} worker policies for {len(env_factories)} env workers")
+        return ServedPolicyCollector(list(env_factories), policy_factory=[_Given(p) for p in worker_policies],
+                                     **common)
+    return MultiAsyncCollector(
+        list(env_factories),
+        policy,
+        **common,
+        # the learner does not wait for every worker to acknowledge new weights (waiting cost
+        # 7 ms an update of 36 ms, light policy on 2 cores); each worker's background thread
+        # copies them into its policy when it reads the instruction, as it did before
+        weight_sync_schemes={"policy": SharedMemWeightSyncScheme(sync=False)},
+    )
+
+
+def make_ray_collector(env_factories: Sequence[Callable], policy: torch.nn.Module, *, frames_per_batch: int,
+                       total_frames: int, ray_address: Optional[str] = None, num_cpus_per_actor: float = 1.0,
+                       max_restarts: int = 3, object_store_memory: int = DEFAULT_OBJECT_STORE_MEMORY,
+                       worker_timeout: float = 600.0):
+    """The ``ray`` backend: :class:`RayEnvCollector`, one Ray actor per factory on any node."""
     import ray
 
     n = len(env_factories)

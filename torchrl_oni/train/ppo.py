@@ -41,6 +41,7 @@ from tensordict import TensorDictBase
 
 from ..envs.batched import EPISODE_STATS
 from ..atomic import remove_stale_temps
+from .backends import get_backend
 from .checkpoint import CHECKPOINT_NAME, TRAINER_KEYS, CheckpointError, load_checkpoint, save_checkpoint
 from .config import CONFIG_NAME, TrainConfig, resolve_device
 from .env_factory import EnvFactory, make_env_factory  # noqa: F401  (EnvFactory: importable here for one release)
@@ -291,7 +292,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ collection
     def _make_collector(self, total_frames: int):
-        from .distributed import make_collector
 
         cfg = self.cfg
         factories = [make_env_factory(cfg, w + 1000 * self.iterations, self.primer_spec, self.env_transforms)
@@ -312,16 +312,9 @@ class Trainer:
             worker_policies = self.server.worker_policies()
         dist = cfg.distributed
         # kept on the trainer so that hooks can reach it (worker placement, fault tests)
-        self.collector = make_collector(
-            dist.backend,
-            factories,
-            policy,
-            frames_per_batch=cfg.frames_per_batch,
-            total_frames=total_frames,
-            ray_address=dist.ray_address,
-            num_cpus_per_actor=dist.ray_num_cpus_per_actor,
-            max_restarts=dist.ray_max_restarts,
-            **({"worker_policies": worker_policies} if worker_policies is not None else {}),
+        self.collector = get_backend(dist.backend).make(
+            factories, policy, frames_per_batch=cfg.frames_per_batch, total_frames=total_frames, dist=dist,
+            worker_policies=worker_policies, exploration_type=None,
         )
         return self.collector
 
@@ -348,7 +341,8 @@ class Trainer:
                     first = (str(err).strip().splitlines() or [""])[0]
                     what = "env worker failed to start" if not started else "env workers stopped"
                     raise EnvWorkerError(f"{what}: {type(err).__name__}: {first}") from err
-                if cfg.distributed.backend != "local" or restarts >= cfg.distributed.worker_restarts:
+                restartable = get_backend(cfg.distributed.backend).restart_workers
+                if not restartable or restarts >= cfg.distributed.worker_restarts:
                     raise EnvWorkerError(f"env {death} at {self.frames:,} frames, after {restarts} restart(s) of the "
                                          f"env workers (--worker-restarts {cfg.distributed.worker_restarts})") from err
                 restarts += 1
