@@ -25,13 +25,7 @@ Example:
     tensor([1.0000, 0.1250, 0.0370])
 """
 from torchrl_oni.rewards.bow import BoWReward, HashedWordVectors, MiniLMTokenVectors
-from torchrl_oni.rewards.classification import (
-    ClassificationReward,
-    ClassifierTrainer,
-    LabelledCaptions,
-    RewardModelSchedule,
-    holdout_mask,
-)
+from torchrl_oni.rewards.classification import ClassificationReward, ClassifierTrainer, LabelledCaptions
 from torchrl_oni.rewards.ensemble import (
     SURF,
     ClassifierEnsemble,
@@ -53,6 +47,7 @@ from torchrl_oni.rewards.ranking import (
 )
 from torchrl_oni.rewards.retrieval import LabelLookup, RetrievalReward
 from torchrl_oni.rewards.scaling import RunningMeanStd, combine_rewards, count_scale, threshold
+from torchrl_oni.rewards.training import RewardModelSchedule, holdout_mask
 
 __all__ = [
     "BoWReward",

@@ -45,9 +45,9 @@ import torch
 from torch import nn
 
 from torchrl_oni.captions import MESSAGE_LEN
-from torchrl_oni.rewards.classification import RewardModelSchedule, ScheduledTraining
 from torchrl_oni.rewards.models import MessageRewardModel, ServedModel, as_message_tensor
 from torchrl_oni.rewards.scaling import RunningMeanStd, threshold as threshold_values
+from torchrl_oni.rewards.training import RewardModelSchedule, ScheduledTraining
 
 __all__ = [
     "PairQueue",
