@@ -153,33 +153,3 @@ class BoWReward:
                         self._cache.popitem(last=False)
                 out[row] = value
         return torch.from_numpy(out)
-
-
-# ------------------------------------------------------------------ registration (oni-train)
-from dataclasses import dataclass  # noqa: E402
-from typing import Literal  # noqa: E402
-
-from torchrl_oni.config_tree import setting  # noqa: E402
-from torchrl_oni.rewards.registry import RewardParts, register_reward  # noqa: E402
-
-@dataclass
-class BowSettings:
-    PREFIX = "bow"
-    threshold: float = setting(-0.5, "cosines at or below this pay 0")
-    vectors: Literal["auto", "minilm", "sentence", "hashed"] = setting(
-        "auto", "word vectors: minilm (all-MiniLM-L6-v2's token table), sentence (the full MiniLM sentence "
-        "encoder; slower, not better on our labelled messages), hashed (no weights), auto (minilm if installed)")
-
-
-def _check(cfg) -> None:
-    if cfg.annotation.goal not in GOAL_SENTENCES:
-        raise ValueError(f"--intrinsic-reward bow needs a goal sentence; --goal {cfg.annotation.goal} has none")
-
-
-@register_reward("bow", settings=BowSettings, check=_check,
-                 help="ELLM-BoW: bag-of-words cosine between the caption and a goal sentence, no LLM")
-def _build(ctx) -> RewardParts:
-    settings = ctx.settings
-    vectors = make_vectors(settings.vectors)
-    return RewardParts(BoWReward(GOAL_SENTENCES[ctx.cfg.annotation.goal], vectors=vectors,
-                                 threshold=settings.threshold))
