@@ -42,6 +42,10 @@ def test_old_import_paths_still_work():
     assert encoder.MiniLMEncoder is text.MiniLMEncoder and encoder.make_encoder is text.make_encoder
     assert registry.register_reward is reward_types.register_reward
     assert registry.reward_types is reward_types.reward_types
+    from torchrl_oni.rewards import motif, motif_cli
+
+    for name in ("collect_pairs_main", "annotate_pairs_main", "train_reward_main", "main"):
+        assert getattr(motif, name) is getattr(motif_cli, name)  # installed console scripts may name motif
 
 
 def test_the_reward_library_imports_nothing_of_the_trainer():
