@@ -18,6 +18,11 @@ float32[N]`` and returns the reward *before* the per-episode count decay
   pseudo-labels), :class:`RankingEnsemble` / :class:`EnsembleRankingTrainer`, and RUNE's
   exploration bonus :class:`RUNEBonus` / :func:`rune_transform`.
 
+Shared pieces: the reward-model schedule, holdout and labelled arrays
+(:mod:`~torchrl_oni.rewards.training`), word vectors and sentence encoders
+(:mod:`~torchrl_oni.rewards.text`). This package is the library only: how ``oni-train``
+configures and builds each reward type is in :mod:`torchrl_oni.train.reward_types`.
+
 Example:
     >>> import torch
     >>> from torchrl_oni.rewards import count_scale
