@@ -158,7 +158,7 @@ def test_parse_count():
 
 
 def test_reward_types_bring_their_own_sections():
-    from torchrl_oni.rewards.registry import reward_types
+    from torchrl_oni.train.reward_types import reward_types
 
     reward_fields = {f.name for f in dataclasses.fields(TrainConfig().reward)}
     for name, spec in reward_types().items():
@@ -169,7 +169,7 @@ def test_reward_types_bring_their_own_sections():
 
 
 def test_adding_a_reward_type_is_one_module(tmp_path):
-    """The example in docs/design.md, dropped into the rewards package as a module of its own."""
+    """The example in docs/design.md, dropped into the reward-types package as a module of its own."""
     import re
     import subprocess
     import sys
@@ -179,10 +179,10 @@ def test_adding_a_reward_type_is_one_module(tmp_path):
     module = re.search(r"```python\n(.*?register_reward\(\"novelty\".*?)```", design, re.S).group(1)
     (tmp_path / "novelty.py").write_text(module)
     script = f"""
-import torch, torchrl_oni.rewards as package
-package.__path__.append({str(tmp_path)!r})   # as if the file were in torchrl_oni/rewards/
+import torch, torchrl_oni.train.reward_types as package
+package.__path__.append({str(tmp_path)!r})   # as if the file were in torchrl_oni/train/reward_types/
 from torchrl_oni.train.cli import parse_command
-from torchrl_oni.rewards.registry import RewardContext, reward_types
+from torchrl_oni.train.reward_types import RewardContext, reward_types
 from torchrl_oni.store import CaptionStore
 from torchrl_oni.captions import encode_messages, hash_messages
 cfg, _ = parse_command(["--intrinsic-reward", "novelty", "--novelty-bonus", "0.5"])

@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from torchrl_oni.captions import encode_messages, hash_messages
-from torchrl_oni.rewards.classification import RewardModelSchedule, holdout_mask
+from torchrl_oni.rewards.training import RewardModelSchedule, holdout_mask
 from torchrl_oni.rewards.ensemble import (
     SURF,
     ClassifierEnsemble,

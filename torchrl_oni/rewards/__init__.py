@@ -18,6 +18,11 @@ float32[N]`` and returns the reward *before* the per-episode count decay
   pseudo-labels), :class:`RankingEnsemble` / :class:`EnsembleRankingTrainer`, and RUNE's
   exploration bonus :class:`RUNEBonus` / :func:`rune_transform`.
 
+Shared pieces: the reward-model schedule, holdout and labelled arrays
+(:mod:`~torchrl_oni.rewards.training`), word vectors and sentence encoders
+(:mod:`~torchrl_oni.rewards.text`). This package is the library only: how ``oni-train``
+configures and builds each reward type is in :mod:`torchrl_oni.train.reward_types`.
+
 Example:
     >>> import torch
     >>> from torchrl_oni.rewards import count_scale
@@ -25,13 +30,7 @@ Example:
     tensor([1.0000, 0.1250, 0.0370])
 """
 from torchrl_oni.rewards.bow import BoWReward, HashedWordVectors, MiniLMTokenVectors
-from torchrl_oni.rewards.classification import (
-    ClassificationReward,
-    ClassifierTrainer,
-    LabelledCaptions,
-    RewardModelSchedule,
-    holdout_mask,
-)
+from torchrl_oni.rewards.classification import ClassificationReward, ClassifierTrainer, LabelledCaptions
 from torchrl_oni.rewards.ensemble import (
     SURF,
     ClassifierEnsemble,
@@ -53,6 +52,7 @@ from torchrl_oni.rewards.ranking import (
 )
 from torchrl_oni.rewards.retrieval import LabelLookup, RetrievalReward
 from torchrl_oni.rewards.scaling import RunningMeanStd, combine_rewards, count_scale, threshold
+from torchrl_oni.rewards.training import RewardModelSchedule, holdout_mask
 
 __all__ = [
     "BoWReward",

@@ -67,16 +67,11 @@ from torch import nn
 
 from torchrl_oni.active import pair_member_probs
 from torchrl_oni.captions import MESSAGE_LEN, hash_messages
-from torchrl_oni.rewards.classification import (
-    ClassificationReward,
-    ClassifierTrainer,
-    ScheduledTraining,
-    holdout_mask,
-    labelled_arrays,
-)
+from torchrl_oni.rewards.classification import ClassificationReward, ClassifierTrainer
 from torchrl_oni.rewards.models import MessageClassifier, MessageRewardModel, as_message_tensor
 from torchrl_oni.rewards.ranking import RankingReward, RankingTrainer
 from torchrl_oni.rewards.scaling import RunningMeanStd
+from torchrl_oni.rewards.training import ScheduledTraining, holdout_mask, labelled_arrays
 
 __all__ = [
     "bootstrap_counts",

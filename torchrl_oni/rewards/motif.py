@@ -1,6 +1,7 @@
 """Offline Motif: collect caption pairs, have them annotated, fit a reward model, serve it.
 
-The three offline phases of Motif (peers §1), as library functions and command-line tools:
+The three offline phases of Motif (peers §1), as library functions; their command-line tools
+are in :mod:`torchrl_oni.rewards.motif_cli`:
 
 1. :func:`collect_pairs` draws pairs of two *different*, non-empty captions from an array of
    messages (``oni-collect-pairs``).
@@ -40,8 +41,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
-import inspect
-import json
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
@@ -49,9 +48,8 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from torchrl_oni.cli_errors import OneLineArgumentParser, report
 from torchrl_oni.atomic import UnreadableFileError, atomic_write, safe_torch_load
-from torchrl_oni.captions import MESSAGE_LEN, decode_message, encode_messages, hash_messages
+from torchrl_oni.captions import MESSAGE_LEN, decode_message, hash_messages
 from torchrl_oni.rewards.models import MessageRewardModel, as_message_tensor
 from torchrl_oni.rewards.ranking import UniqueCaptionPairSampler, bradley_terry_loss, pairwise_accuracy
 from torchrl_oni.rewards.scaling import threshold as threshold_values
@@ -461,216 +459,17 @@ class MotifReward:
         return z if self.cut is None else threshold_values(z, self.cut)
 
 
-# --- 5. command-line tools --------------------------------------------------------------------
-class _CliError(Exception):
-    pass
+# The command-line tools moved to motif_cli.py; installed console scripts (and
+# ``python -m torchrl_oni.rewards.motif``) may still name them here. They are looked up on first
+# use, through importlib, because motif_cli imports this module.
+_CLI_NAMES = ("collect_pairs_main", "annotate_pairs_main", "train_reward_main", "main")
 
 
-def _run_cli(prog: str, build: Callable[[OneLineArgumentParser], None], body, argv) -> int:
-    parser = OneLineArgumentParser(prog=prog, description=build.__doc__)
-    build(parser)
-    args = parser.parse_args(argv)
-    try:
-        body(args)
-    except (_CliError, ValueError, OSError, KeyError) as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return report(prog, msg)
-    return 0
-
-
-def _load_messages(path: str) -> np.ndarray:
-    p = Path(path)
-    if not p.is_file():
-        raise _CliError(f"no such file: {path}")
-    if p.suffix == ".txt":
-        return encode_messages(p.read_text(encoding="latin-1").splitlines())
-    if p.suffix in (".npy", ".npz"):
-        arrays = _load_arrays(p, "messages file")
-        if not arrays:
-            raise _CliError(f"{path}: no arrays in the file")
-        arr = arrays["message"] if "message" in arrays else next(iter(arrays.values()))
-    else:
-        raise _CliError(f"{path}: expected .npy, .npz (key 'message') or .txt (one caption a line)")
-    if arr.ndim < 2 or arr.shape[-1] != MESSAGE_LEN:
-        raise _CliError(f"{path}: expected messages of shape [..., {MESSAGE_LEN}], got {arr.shape}")
-    return arr.reshape(-1, MESSAGE_LEN).astype(np.uint8)
-
-
-def _load_pairs(path: str) -> Tuple[np.ndarray, np.ndarray]:
-    p = Path(path)
-    if not p.is_file():
-        raise _CliError(f"no such file: {path}")
-    try:
-        data = _load_arrays(p, "pairs file", ("first", "second"))
-    except UnreadableFileError as exc:
-        raise _CliError(f"{exc}; expected a pairs file with 'first' and 'second' arrays") from None
-    return data["first"].astype(np.uint8), data["second"].astype(np.uint8)
-
-
-def _make_annotator(spec: str, kwargs_json: str):
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise _CliError(f"--annotator must look like 'package.module:Factory', got {spec!r}")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise _CliError(f"cannot load annotator {spec!r}: {exc}") from exc
-    try:
-        kwargs = json.loads(kwargs_json) if kwargs_json else {}
-    except json.JSONDecodeError as exc:
-        raise _CliError(f"--annotator-kwargs is not valid JSON: {exc}") from exc
-    if not isinstance(kwargs, dict):
-        raise _CliError("--annotator-kwargs must be a JSON object")
-    annotator = factory(**kwargs)
-    if not callable(getattr(annotator, "compare", None)):
-        raise _CliError(f"{spec} did not build an annotator with a compare() method")
-    return annotator
-
-
-def _collect_args(parser):
-    """Draw pairs of distinct captions from a file of messages (offline Motif, step 1)."""
-    parser.add_argument("messages", help=".npy/.npz uint8[N,256] messages, or .txt one caption a line")
-    parser.add_argument("--out", required=True, help="pairs .npz to write")
-    parser.add_argument("--num-pairs", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--include-empty", action="store_true", help="also pair the empty message")
-
-
-def collect_pairs_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``oni-collect-pairs``."""
-
-    def body(args):
-        if args.num_pairs < 1:
-            raise _CliError("--num-pairs must be at least 1")
-        first, second = collect_pairs(_load_messages(args.messages), args.num_pairs,
-                                      include_empty=args.include_empty, seed=args.seed)
-        _save_npz_atomic(Path(args.out), first=first, second=second)
-        print(f"wrote {len(first)} pairs to {args.out}")
-
-    return _run_cli("oni-collect-pairs", _collect_args, body, argv)
-
-
-def _annotate_args(parser):
-    """Annotate caption pairs with an LLM annotator, chunk by chunk; re-run to resume (step 2)."""
-    parser.add_argument("pairs", help="pairs .npz from oni-collect-pairs")
-    parser.add_argument("--out", required=True, help="annotations .npz (resumed if it exists)")
-    parser.add_argument("--annotator", required=True,
-                        help="'package.module:Factory' building an object with async compare()")
-    parser.add_argument("--annotator-kwargs", default="{}", help="JSON object passed to the factory")
-    parser.add_argument("--chunk-size", type=int, default=100)
-    parser.add_argument("--max-chunks", type=int, default=None)
-    parser.add_argument("--retry-failed", action="store_true")
-
-
-def annotate_pairs_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``oni-annotate-pairs``."""
-
-    def body(args):
-        if args.chunk_size < 1:
-            raise _CliError("--chunk-size must be at least 1")
-        first, second = _load_pairs(args.pairs)
-        annotator = _make_annotator(args.annotator, args.annotator_kwargs)
-
-        async def go():
-            try:
-                return await annotate_pairs_async(
-                    first, second, annotator, args.out, chunk_size=args.chunk_size,
-                    max_chunks=args.max_chunks, retry_failed=args.retry_failed,
-                    on_chunk=lambda done, total: print(f"{done}/{total} pairs done", flush=True),
-                )
-            finally:
-                closer = getattr(annotator, "aclose", None)
-                if closer is not None:
-                    result = closer()
-                    if inspect.isawaitable(result):
-                        await result
-
-        try:
-            state = asyncio.run(go())
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise _CliError(f"{exc or type(exc).__name__}; progress is saved in {args.out}, "
-                            "run again to resume") from exc
-        status = state["status"]
-        print(f"labelled {int((status == LABELLED).sum())}, tied without a call "
-              f"{int((status == AUTO_TIE).sum())}, failed {int((status == FAILED).sum())}, "
-              f"pending {int((status == PENDING).sum())} -> {args.out}")
-
-    return _run_cli("oni-annotate-pairs", _annotate_args, body, argv)
-
-
-def _train_args(parser):
-    """Fit a reward model to annotated pairs and write a Motif checkpoint (step 3)."""
-    parser.add_argument("pairs", help="pairs .npz from oni-collect-pairs")
-    parser.add_argument("annotations", help="annotations .npz from oni-annotate-pairs")
-    parser.add_argument("--out", required=True, help="checkpoint .pt to write")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--val-fraction", type=float, default=0.2)
-    parser.add_argument("--seed", type=int, default=777)
-    parser.add_argument("--device", default="cpu")
-
-
-def train_reward_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``oni-train-reward``."""
-
-    def body(args):
-        if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
-            raise _CliError("--epochs and --batch-size must be at least 1 and --lr positive")
-        if not 0 <= args.val_fraction < 1:
-            raise _CliError("--val-fraction must be in [0, 1)")
-        first, second = _load_pairs(args.pairs)
-        state = load_annotations(args.annotations)
-        if state["fingerprint"] != _fingerprint(first, second):
-            raise _CliError(f"{args.annotations} was made for other pairs than {args.pairs}")
-        ckpt = train_reward_model(first, second, state["preference"], args.out,
-                                  epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                                  val_fraction=args.val_fraction, seed=args.seed,
-                                  device=args.device)
-        m = ckpt["metrics"]
-        print(f"train pairs {m['train_pairs']}, val pairs {m['val_pairs']}, "
-              f"val loss {m['val_loss']:.4f}, val accuracy {m['val_accuracy']:.3f} -> {args.out}")
-
-    return _run_cli("oni-train-reward", _train_args, body, argv)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m torchrl_oni.rewards.motif {collect,annotate,train} ...``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"collect": collect_pairs_main, "annotate": annotate_pairs_main,
-                "train": train_reward_main}
-    if not argv or argv[0] not in commands:
-        print("usage: python -m torchrl_oni.rewards.motif {collect,annotate,train} ...",
-              file=sys.stderr)
-        return 2
-    return commands[argv[0]](argv[1:])
-
-
-# ------------------------------------------------------------------ registration (oni-train)
-from dataclasses import dataclass  # noqa: E402
-
-from torchrl_oni.config_tree import setting  # noqa: E402
-from torchrl_oni.rewards.registry import RewardParts, register_reward  # noqa: E402
-
-
-@dataclass
-class MotifSettings:
-    PREFIX = "motif"
-    reward_model: Optional[str] = setting(None, "reward-model checkpoint written by oni-train-reward",
-                                          aliases=("--reward-model",), metavar="PATH")
-    quantile: float = setting(0.5, "threshold quantile of the reward model's scores, 0.05..0.95")
-
-
-def _check(cfg) -> None:
-    if not cfg.reward.motif.reward_model:
-        raise ValueError("--intrinsic-reward motif needs --reward-model PATH (a checkpoint from oni-train-reward)")
-
-
-@register_reward("motif", settings=MotifSettings, check=_check,
-                 help="offline Motif: a frozen reward model trained on LLM preferences collected beforehand")
-def _build(ctx) -> RewardParts:
-    return RewardParts(MotifReward(ctx.settings.reward_model, quantile=ctx.settings.quantile, device=ctx.device))
+def __getattr__(name):
+    if name in _CLI_NAMES:
+        return getattr(importlib.import_module("torchrl_oni.rewards.motif_cli"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(importlib.import_module("torchrl_oni.rewards.motif_cli").main())

@@ -44,10 +44,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from torchrl_oni.captions import MESSAGE_LEN
-from torchrl_oni.rewards.classification import RewardModelSchedule, ScheduledTraining
+from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN
 from torchrl_oni.rewards.models import MessageRewardModel, ServedModel, as_message_tensor
 from torchrl_oni.rewards.scaling import RunningMeanStd, threshold as threshold_values
+from torchrl_oni.rewards.training import RewardModelSchedule, ScheduledTraining
+from torchrl_oni.store import CaptionStore
 
 __all__ = [
     "PairQueue",
@@ -387,28 +388,6 @@ class UniqueCaptionPairSampler:
         self.rng.bit_generator.state = state["rng"]
 
 
-# ------------------------------------------------------------------ registration (oni-train)
-from dataclasses import dataclass  # noqa: E402
-
-from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY  # noqa: E402
-from torchrl_oni.config_tree import setting  # noqa: E402
-from torchrl_oni.rewards.registry import RewardParts, register_reward  # noqa: E402
-from torchrl_oni.store import CaptionStore  # noqa: E402
-
-
-@dataclass
-class RankingSettings:
-    PREFIX = "ranking"
-    threshold: float = setting(-0.5, "cut on the normalised ranking score")
-    raw: bool = setting(False, "pay the raw ranking score, as ONI's code did by accident")
-    pairs: int = setting(10, "caption pairs queued per collected batch (ONI: 10)")
-
-
-def _check(cfg) -> None:
-    if cfg.reward.ranking.pairs < 1:
-        raise ValueError("--ranking-pairs must be at least 1")
-
-
 class PairQueue:
     """Queues caption pairs for the annotator on every collected batch (``RewardParts.on_batch``).
 
@@ -521,40 +500,3 @@ class PairQueue:
         self.generator.set_state(state["generator"])
         if self.budget is not None and state.get("budget") is not None:
             self.budget.load_state_dict(state["budget"])
-
-
-@register_reward("ranking", pairs=True, settings=RankingSettings, check=_check,
-                 help="ONI-Ranking: a Bradley-Terry model of pairwise preferences")
-def _build(ctx) -> RewardParts:
-    """One Bradley–Terry model, or with ``--rm-ensemble N`` a
-    :class:`~torchrl_oni.rewards.ensemble.RankingEnsemble` (the members' mean raw score);
-    pairs queued by :class:`PairQueue` under ``--query-selection`` and ``--label-budget``."""
-    from torchrl_oni.active import LabelBudget, pair_member_probs
-
-    settings, store, cfg = ctx.settings, ctx.store, ctx.cfg
-    rm, ann = cfg.reward_model, cfg.annotation
-    # raw scores here; the transform normalises (frequency-weighted running statistics over every
-    # step, as ONI) and thresholds them after de-duplicating the batch
-    if rm.ensemble > 1:
-        from torchrl_oni.rewards.ensemble import EnsembleRankingTrainer, RankingEnsemble
-
-        reward = RankingEnsemble(size=rm.ensemble, normalize=False, seed=cfg.seed, device=ctx.device)
-        trainer = EnsembleRankingTrainer(reward, store, seed=cfg.seed, lr=rm.lr, batch_size=rm.batch_size,
-                                         schedule=ctx.schedule)
-        pair_probabilities = reward.pair_probabilities
-    else:
-        reward = RankingReward(normalize=False, device=ctx.device)
-        trainer = RankingTrainer(reward, store, lr=rm.lr, batch_size=rm.batch_size, schedule=ctx.schedule)
-
-        def pair_probabilities(first, second):
-            return pair_member_probs(reward.scores(first)[:, None], reward.scores(second)[:, None])
-
-    budget = None
-    if ann.label_budget is not None:
-        budget = LabelBudget(ann.label_budget, ann.label_schedule, total_frames=cfg.frames)
-    queue = PairQueue(store, pairs=settings.pairs, backlog_limit=2 * ann.llm_batch_size, rule=ann.query_selection,
-                      pair_probabilities=pair_probabilities, budget=budget, wake=ctx.wake_annotator, seed=cfg.seed)
-    normalize = not settings.raw
-    return RewardParts(reward, trainer=trainer, on_batch=queue, normalize=normalize,
-                       threshold=settings.threshold if normalize else None,
-                       stateful={"sampler": queue.sampler, "pair_queue": queue}, metrics=queue.metrics)

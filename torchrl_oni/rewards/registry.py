@@ -1,170 +1,24 @@
-"""The intrinsic reward registry: each reward type declares, in its own module, what it needs and
-how it is built.
+"""Old import path of oni-train's reward-type registry, kept for one release.
 
-A reward module registers its type with :func:`register_reward` on the function that builds it.
-The declaration says what the trainer must provide:
-
-==============  =========================================================================
-declaration     meaning
-==============  =========================================================================
-``labels``      single captions go to the annotator (a :class:`~torchrl_oni.store.CaptionStore` is opened)
-``pairs``       caption pairs go to the annotator (ranking)
-``llm``         the type sends requests of its own to the LLM server (ELLM's goals): the hook
-                provides an endpoint (``ctx.llm``), starting the embedded server if needed
-``settings``    a dataclass of the type's own settings; it becomes the config section
-                ``reward.<name>`` and flags ``--<name>-<field>`` (:mod:`torchrl_oni.train.config`)
-``check``       ``check(cfg)`` raises ``ValueError`` (one sentence) for impossible settings
-``build``       ``build(ctx: RewardContext) -> RewardParts``: the reward and its helpers
-==============  =========================================================================
-
-Every module of :mod:`torchrl_oni.rewards` is imported once, the first time the registry is
-read, so a new reward type is one new module (see docs/design.md). ``none`` (no intrinsic
-reward) is not a type: it needs no hook at all.
+The registry is application configuration, so it moved to :mod:`torchrl_oni.train.reward_types`
+(one module per reward type there); :mod:`torchrl_oni.rewards` is the library of reward classes
+and imports nothing of :mod:`torchrl_oni.train`. This alias resolves its names only when one is
+read, through :func:`importlib.import_module`, so importing :mod:`torchrl_oni.rewards` never
+loads the trainer. New code imports from :mod:`torchrl_oni.train.reward_types`.
 
 Example:
-    >>> from torchrl_oni.rewards.registry import reward_types
-    >>> spec = reward_types()["retrieval"]
-    >>> spec.labels, spec.pairs, spec.needs_annotator
-    (True, False, True)
-    >>> {"retrieval", "classification", "ranking"} <= set(reward_types())
+    >>> from torchrl_oni.rewards import registry
+    >>> from torchrl_oni.train.reward_types import register_reward
+    >>> registry.register_reward is register_reward
     True
 """
-from __future__ import annotations
-
 import importlib
-import pkgutil
-import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-__all__ = ["RewardType", "RewardParts", "RewardContext", "LLMEndpoint", "register_reward", "reward_types", "reward_names"]
+__all__ = ["RewardType", "RewardParts", "RewardContext", "LLMEndpoint", "register_reward", "reward_types",
+           "reward_names"]
 
 
-@dataclass
-class RewardContext:
-    """What a reward type's ``build`` gets from the trainer.
-
-    Attributes:
-        cfg: the run's :class:`~torchrl_oni.train.config.TrainConfig` (resolved).
-        settings: the type's own settings section (``cfg.reward.<name>``), or None.
-        store: the run's caption store when the type declared ``labels`` or ``pairs``, else None.
-        device: where reward models live (the learner's device, never the env workers).
-        schedule: the reward-model training schedule (:class:`~torchrl_oni.rewards.classification.RewardModelSchedule`)
-            built from ``cfg.reward_model``, for types that train a model.
-        annotator: the annotator when the type needs one (labels or pairs).
-        llm: an :class:`LLMEndpoint` when the type declared ``llm`` and the run uses an LLM
-            (``--annotator llm``); None with the rules annotator.
-        wake_annotator: call after queueing work (pairs) so the annotation worker picks it up.
-    """
-
-    cfg: Any
-    settings: Any = None
-    store: Any = None
-    device: Any = "cpu"
-    schedule: Any = None
-    annotator: Any = None
-    llm: Any = None
-    wake_annotator: Callable[[], None] = lambda: None
-
-
-@dataclass(frozen=True)
-class LLMEndpoint:
-    """Where a reward type's own LLM requests go: OpenAI-compatible base URLs and the model."""
-
-    urls: Tuple[str, ...]
-    model: str
-    api_key: Optional[str] = None
-
-
-@dataclass
-class RewardParts:
-    """What ``build`` returns.
-
-    Attributes:
-        reward: ``reward(messages uint8[N,256], hashes int64[N]) -> float32[N]``, before count decay;
-            or None when ``on_batch`` writes ``("next", "intrinsic_reward")`` itself.
-        trainer: a reward-model trainer with ``after_iteration() -> dict`` (steps run now, by its
-            own schedule), ``evaluate()`` optionally, and ``state_dict``/``load_state_dict``.
-        on_batch: ``on_batch(batch)`` called on every collected batch before the reward (e.g. pairs
-            to queue); may return a new batch.
-        normalize, threshold: passed to :class:`~torchrl_oni.transforms.IntrinsicRewardTransform`.
-        stateful: further objects with ``state_dict``/``load_state_dict`` kept in checkpoints, by name.
-        metrics: ``metrics() -> dict`` of type-specific numbers for the logs.
-        close: called once at the end of the run.
-        env_transforms: TorchRL transforms appended to every env worker's env (and the env the
-            networks are built from): observations the policy must see at acting time, e.g.
-            ELLM's goal embedding. They must be picklable.
-    """
-
-    reward: Optional[Callable] = None
-    trainer: Any = None
-    on_batch: Optional[Callable] = None
-    normalize: bool = False
-    threshold: Optional[float] = None
-    stateful: Optional[Dict[str, Any]] = None
-    metrics: Optional[Callable[[], Dict[str, float]]] = None
-    close: Optional[Callable[[], None]] = None
-    env_transforms: Sequence[Any] = ()
-
-
-@dataclass(frozen=True)
-class RewardType:
-    name: str
-    build: Callable[[RewardContext], RewardParts]
-    help: str = ""
-    labels: bool = False
-    pairs: bool = False
-    settings: Optional[type] = None
-    check: Optional[Callable[[Any], None]] = None
-    llm: bool = False
-
-    @property
-    def needs_annotator(self) -> bool:
-        return self.labels or self.pairs
-
-
-_REGISTRY: Dict[str, RewardType] = {}
-_DISCOVERED = False
-_LOCK = threading.RLock()
-
-
-def register_reward(name: str, *, help: str = "", labels: bool = False, pairs: bool = False, llm: bool = False,
-                    settings: Optional[type] = None, check: Optional[Callable[[Any], None]] = None):
-    """Decorator registering ``build`` as the reward type ``name`` (see the module docstring)."""
-    if name == "none" or not name.replace("-", "").isalnum():
-        raise ValueError(f"invalid reward type name {name!r}")
-
-    def decorate(build: Callable[[RewardContext], RewardParts]):
-        existing = _REGISTRY.get(name)
-        if existing is not None and existing.build.__qualname__ != build.__qualname__:
-            raise ValueError(f"reward type {name!r} is registered twice")
-        if settings is not None and getattr(settings, "PREFIX", None) != name.replace("-", "_"):
-            raise ValueError(f"settings of reward type {name!r} need PREFIX = {name.replace('-', '_')!r}")
-        _REGISTRY[name] = RewardType(name, build, help, labels, pairs, settings, check, llm)
-        return build
-
-    return decorate
-
-
-def _discover() -> None:
-    global _DISCOVERED
-    with _LOCK:
-        if _DISCOVERED:
-            return
-        import torchrl_oni.rewards as package
-
-        for module in pkgutil.iter_modules(package.__path__):
-            if not module.name.startswith("_"):
-                importlib.import_module(f"{package.__name__}.{module.name}")
-        _DISCOVERED = True
-
-
-def reward_types() -> Dict[str, RewardType]:
-    """Every registered reward type by name."""
-    _discover()
-    return dict(_REGISTRY)
-
-
-def reward_names() -> Tuple[str, ...]:
-    """``("none", ...)`` followed by the registered types, sorted."""
-    return ("none",) + tuple(sorted(reward_types()))
+def __getattr__(name):
+    if name in __all__:
+        return getattr(importlib.import_module("torchrl_oni.train.reward_types"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,11 +63,3 @@ class RetrievalReward:
         labels = torch.as_tensor(labels, dtype=torch.float32).reshape(-1)
         found = torch.as_tensor(found, dtype=torch.bool, device=labels.device).reshape(-1)
         return torch.where(found, labels, torch.zeros_like(labels))
-
-
-from torchrl_oni.rewards.registry import RewardParts, register_reward  # noqa: E402
-
-
-@register_reward("retrieval", labels=True, help="ONI-Retrieval: the LLM's label of the caption itself")
-def _build(ctx) -> RewardParts:
-    return RewardParts(RetrievalReward(ctx.store))

@@ -51,6 +51,7 @@ from ..config_tree import (
     setting,
     to_dict,
 )
+from .reward_types import model_rewards, reward_names, reward_types
 
 __all__ = ["TrainConfig", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTATORS", "GOALS", "ARCHS",
            "QUERY_RULES", "LABEL_SCHEDULES", "intrinsic_rewards"]
@@ -58,7 +59,6 @@ __all__ = ["TrainConfig", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTA
 ANNOTATORS = ("llm", "scripted", "teacher")
 QUERY_RULES = ("fifo", "frequency", "uniform", "disagree", "entropy")  # torchrl_oni.active.RULES
 LABEL_SCHEDULES = ("constant", "linear", "exponential")  # torchrl_oni.active.SCHEDULES
-MODEL_REWARDS = ("classification", "ranking")  # the reward types that train a reward model
 GOALS = ("default", "combat", "gold", "stairs", "zero-knowledge")
 ARCHS = ("light", "oni", "oni-lstm")
 CONFIG_NAME = "config.yaml"  # the run folder's copy of its configuration
@@ -67,10 +67,24 @@ DEFAULT_INTRINSIC_COEFF = 0.4  # ONI's coefficient of the intrinsic reward (oni_
 
 
 def intrinsic_rewards() -> Tuple[str, ...]:
-    """``none`` and every registered intrinsic reward type (:mod:`torchrl_oni.rewards.registry`)."""
-    from ..rewards.registry import reward_names
-
+    """``none`` and every registered intrinsic reward type (:mod:`torchrl_oni.train.reward_types`)."""
     return reward_names()
+
+
+# The reward types that train a reward model (classification, ranking), as their modules
+# declare; read here once, after the registry has imported every reward-type module.
+MODEL_REWARDS = model_rewards()
+
+
+def _either(names) -> str:
+    """``"a or b"``, ``"a, b or c"``: reward type names in a one-sentence error.
+
+    Example:
+        >>> _either(["classification", "ranking"]), _either(["a", "b", "c"])
+        ('classification or ranking', 'a, b or c')
+    """
+    names = list(names)
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 @dataclass
@@ -210,14 +224,12 @@ class DistributedConfig:
 
 def _reward_sections():
     """``(name, type, field)`` of every registered reward type that declares settings."""
-    from ..rewards.registry import reward_types
-
     return [(name, spec.settings, field(default_factory=spec.settings))
             for name, spec in sorted(reward_types().items()) if spec.settings is not None]
 
 
 # The reward section: the mix, plus one sub-section per reward type that has settings. Reward
-# modules declare their own settings (rewards/registry.py), so adding a reward type touches only
+# types declare their own settings (train/reward_types/), so adding a reward type touches only
 # its module; the sub-sections are gathered here once, when this module is imported.
 RewardConfig = make_dataclass("RewardConfig", [
     ("intrinsic_reward", str, setting("none", "intrinsic reward type", choices=intrinsic_rewards)),
@@ -303,7 +315,6 @@ class TrainConfig:
     def validate(self) -> None:
         """Raises ``ValueError`` with one readable sentence for the first impossible setting."""
         from ..envs.tasks import resolve_task
-        from ..rewards.registry import reward_types
 
         for message in check_values(self):
             raise ValueError(message)
@@ -372,12 +383,13 @@ class TrainConfig:
     def _check_label_settings(self) -> None:
         """Label budget, query selection, ensembles, SURF, RUNE, teacher and the labelling page
         against the intrinsic reward type (one sentence per impossible combination)."""
-        from ..rewards.registry import reward_types
-
         kind, ann, rm = self.reward.intrinsic_reward, self.annotation, self.reward_model
-        spec = reward_types().get(kind)
+        types = reward_types()
+        spec = types.get(kind)
         labelled = spec is not None and spec.needs_annotator
-        model = kind in MODEL_REWARDS
+        model = spec is not None and spec.reward_model
+        annotated = ", ".join(name for name, t in sorted(types.items()) if t.needs_annotator)
+        models = _either(model_rewards())
         checks = [
             (labelled or ann.label_budget is None, "--label-budget"),
             (labelled or ann.query_selection == "frequency", "--query-selection"),
@@ -385,25 +397,25 @@ class TrainConfig:
         ]
         for ok, flag in checks:
             if not ok:
-                raise ValueError(f"{flag} needs an --intrinsic-reward labelled by an annotator (retrieval, "
-                                 f"classification, ranking), not {kind!r}")
+                raise ValueError(f"{flag} needs an --intrinsic-reward labelled by an annotator ({annotated}), "
+                                 f"not {kind!r}")
         if ann.label_schedule != "constant" and ann.label_budget is None:
             raise ValueError(f"--label-schedule {ann.label_schedule} needs a --label-budget")
         if ann.annotator != "teacher" and (ann.teacher_beta is not None or ann.teacher_epsilon):
             raise ValueError("--teacher-beta and --teacher-epsilon need --annotator teacher")
         if rm.ensemble > 1 and not model:
-            raise ValueError(f"--rm-ensemble needs --intrinsic-reward classification or ranking, not {kind!r}")
+            raise ValueError(f"--rm-ensemble needs --intrinsic-reward {models}, not {kind!r}")
         if rm.surf_tau and kind != "classification":
             raise ValueError(f"--rm-surf-tau (SURF) needs --intrinsic-reward classification, not {kind!r}")
         if rm.rune_beta and (rm.ensemble < 2 or not model):
             raise ValueError("--rm-rune-beta (RUNE) needs an ensemble: --rm-ensemble 2 or more with "
-                             "--intrinsic-reward classification or ranking")
+                             f"--intrinsic-reward {models}")
         if ann.query_selection == "disagree" and (rm.ensemble < 2 or not model):
             raise ValueError("--query-selection disagree needs an ensemble: --rm-ensemble 2 or more with "
-                             "--intrinsic-reward classification or ranking")
+                             f"--intrinsic-reward {models}")
         if ann.query_selection == "entropy" and not model:
-            raise ValueError(f"--query-selection entropy needs a reward model (--intrinsic-reward classification "
-                             f"or ranking), not {kind!r}")
+            raise ValueError(f"--query-selection entropy needs a reward model (--intrinsic-reward {models}), "
+                             f"not {kind!r}")
 
     @staticmethod
     def settings():

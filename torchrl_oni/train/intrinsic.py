@@ -13,7 +13,7 @@ trainer process (the collector's env workers only play):
   (new captions go to the annotator in the background), ranking pairs for ``ranking``, then the
   :class:`~torchrl_oni.transforms.IntrinsicRewardTransform`;
 * after each PPO iteration (``after_update``): reward-model training for types that have a
-  trainer, on the trainer's own :class:`~torchrl_oni.rewards.classification.RewardModelSchedule`
+  trainer, on the trainer's own :class:`~torchrl_oni.rewards.training.RewardModelSchedule`
   (ONI's rule within a wall-time budget);
 * ``metrics()``: label counts and balance, annotation health, reward-model accuracy, the mean
   intrinsic reward and the fraction of steps rewarded; the most rewarded messages of the last
@@ -46,7 +46,7 @@ is kept (:class:`~torchrl_oni.feedback.screens.ScreenSnapshots`, saved as
 ``<store>.screens.pt`` beside the store, where ``oni-label`` finds it) and dropped from the batch
 before PPO.
 
-Reward types come from the registry (:mod:`torchrl_oni.rewards.registry`): each declares
+Reward types come from the registry (:mod:`torchrl_oni.train.reward_types`): each declares
 whether it needs labels or pairs from an annotator, its own settings and how it is built; the
 hook only assembles what the declaration asks for.
 
@@ -119,7 +119,7 @@ def start_llm(cfg: TrainConfig):
     (the model defaults to the only one they list) or the embedded CPU server, started here in a
     process of its own (see :func:`~torchrl_oni.serve.start_embedded_process`)."""
     from ..annotators import resolve_model
-    from ..rewards.registry import LLMEndpoint
+    from .reward_types import LLMEndpoint
 
     ann = cfg.annotation
     if ann.llm_url:
@@ -200,8 +200,8 @@ class IntrinsicRewardHook:
     name = "intrinsic"
 
     def __init__(self, cfg: TrainConfig):
-        from ..rewards.classification import RewardModelSchedule
-        from ..rewards.registry import RewardContext, reward_types
+        from ..rewards.training import RewardModelSchedule
+        from .reward_types import RewardContext, reward_types
         from ..transforms import IntrinsicRewardTransform
         from .ppo import resolve_device
 
