@@ -39,7 +39,7 @@ from torchrl_oni.rewards.ellm import (
     transition_caption,
     transition_sentences,
 )
-from torchrl_oni.rewards.encoder import HashedSentenceEncoder, MiniLMEncoder, minilm_available
+from torchrl_oni.rewards.text import HashedSentenceEncoder, MiniLMEncoder, minilm_available
 
 FLOOR = nh.GLYPH_CMAP_OFF + 19
 STAIRS_DOWN = nh.GLYPH_CMAP_OFF + 24

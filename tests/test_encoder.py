@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchrl_oni.rewards.encoder import (
+from torchrl_oni.rewards.text import (
     EncoderVectors,
     HashedSentenceEncoder,
     MiniLMEncoder,

@@ -18,11 +18,11 @@ from torchrl_oni.rewards.ensemble import (
     RankingEnsemble,
     RUNEBonus,
     bootstrap_counts,
-    rune_transform,
     surf_augment,
     surf_loss,
 )
 from torchrl_oni.rewards.scaling import RunningMeanStd, threshold
+from torchrl_oni.transforms import rune_transform
 
 torch.set_num_threads(1)
 

@@ -43,9 +43,11 @@ from torchrl_oni.captions import (
     MSG_COUNT_KEY,
     hash_messages,
 )
+from torchrl_oni.rewards.ensemble import RUNE_BONUS_KEY, RUNEBonus
 from torchrl_oni.rewards.scaling import RunningMeanStd, count_scale, threshold as threshold_values
 
-__all__ = ["IntrinsicRewardTransform", "LLMAnnotationTransform", "CombineRewards", "INTRINSIC_REWARD_KEY"]
+__all__ = ["IntrinsicRewardTransform", "LLMAnnotationTransform", "CombineRewards", "INTRINSIC_REWARD_KEY",
+           "rune_transform"]
 
 _MESSAGE_CHOICES = ("acted", "next")
 
@@ -330,3 +332,35 @@ class CombineRewards(Transform):
             for key in self.out_keys[1:]:
                 reward_spec[key] = ref.clone()
         return reward_spec
+
+
+def rune_transform(
+    ensemble,
+    beta0: float = 0.05,
+    decay: float = 1e-4,
+    *,
+    message: str = "acted",
+    count_beta: float = 3.0,
+    out_key: str = RUNE_BONUS_KEY,
+):
+    """An :class:`~torchrl_oni.transforms.IntrinsicRewardTransform` writing ``("next", "rune_bonus")``.
+
+    The bonus gets the same per-episode count decay as ONI's intrinsic reward
+    (``msg_count ** -count_beta``; 0 disables it): without it, a caption the ensemble is unsure
+    of would pay on every step the agent repeats it. Its :class:`RUNEBonus` is the transform's
+    ``reward`` attribute (call ``transform.reward.step()`` once per iteration).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl_oni.captions import encode_messages, hash_messages
+        >>> msgs = torch.from_numpy(encode_messages(["You kill the newt!", "A wall."]))
+        >>> td = TensorDict({"message": msgs, "caption_hash": torch.from_numpy(hash_messages(msgs)),
+        ...                  "msg_count": torch.tensor([1, 2]), ("next", "reward"): torch.zeros(2, 1)}, [2])
+        >>> from torchrl_oni.rewards.ensemble import ClassifierEnsemble
+        >>> t = rune_transform(ClassifierEnsemble(size=3), beta0=0.05)
+        >>> t(td)["next", "rune_bonus"].shape
+        torch.Size([2, 1])
+    """
+    return IntrinsicRewardTransform(RUNEBonus(ensemble, beta0, decay), message=message, beta=count_beta,
+                                    out_key=out_key)

@@ -16,7 +16,7 @@ float32[N]`` and returns the reward *before* the per-episode count decay
 * ensembles of the online reward models (:mod:`~torchrl_oni.rewards.ensemble`):
   :class:`ClassifierEnsemble` / :class:`EnsembleClassifierTrainer` (with :class:`SURF`
   pseudo-labels), :class:`RankingEnsemble` / :class:`EnsembleRankingTrainer`, and RUNE's
-  exploration bonus :class:`RUNEBonus` / :func:`rune_transform`.
+  exploration bonus :class:`RUNEBonus` / :func:`torchrl_oni.transforms.rune_transform`.
 
 Shared pieces: the reward-model schedule, holdout and labelled arrays
 (:mod:`~torchrl_oni.rewards.training`), word vectors and sentence encoders
@@ -39,7 +39,6 @@ from torchrl_oni.rewards.ensemble import (
     RankingEnsemble,
     RUNEBonus,
     bootstrap_counts,
-    rune_transform,
 )
 from torchrl_oni.rewards.models import MessageClassifier, MessageEncoder, MessageRewardModel
 from torchrl_oni.rewards.ranking import (
@@ -70,7 +69,6 @@ __all__ = [
     "RUNEBonus",
     "SURF",
     "bootstrap_counts",
-    "rune_transform",
     "MessageClassifier",
     "MessageEncoder",
     "MessageRewardModel",

@@ -151,6 +151,7 @@ from torchrl_oni.background import BackgroundLoop
 from torchrl_oni.captions import (
     CAPTION_HASH_KEY,
     GOAL_EMBEDDING_KEY,
+    INTRINSIC_REWARD_KEY,
     MESSAGE_KEY,
     MESSAGE_LEN,
     MSG_COUNT_KEY,
@@ -179,7 +180,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATE_HASH_KEY = "state_hash"
-INTRINSIC_REWARD_KEY = "intrinsic_reward"
 TRAJ_IDS_KEY = ("collector", "traj_ids")
 
 # The goal table's statuses are the shared ones (torchrl_oni.store.status), saved as numbers: a
@@ -297,7 +297,7 @@ def calibrate_threshold(encoder, pairs: Sequence[Tuple[str, str, bool]] = CALIBR
     reward computes it.
 
     Example:
-        >>> from torchrl_oni.rewards.encoder import HashedSentenceEncoder
+        >>> from torchrl_oni.rewards.text import HashedSentenceEncoder
         >>> t, acc = calibrate_threshold(HashedSentenceEncoder())
         >>> round(t, 2), round(acc, 3)
         (0.51, 0.85)
@@ -1355,7 +1355,7 @@ def build_ellm_reward(
     """
     from torchrl_oni.annotators.goals import OpenAIGoalSuggester, ScriptedGoalSuggester
     from torchrl_oni.envs.state_captions import StateCaptioner
-    from torchrl_oni.rewards.encoder import make_encoder
+    from torchrl_oni.rewards.text import make_encoder
 
     if annotator_kind not in ("scripted", "llm"):
         raise ValueError(f"unknown goal annotator {annotator_kind!r}; choose scripted or llm")

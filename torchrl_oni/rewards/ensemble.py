@@ -4,7 +4,7 @@ An ensemble is N independent reward models of the same kind — :class:`Classifi
 :class:`~torchrl_oni.rewards.classification.ClassificationReward`, :class:`RankingEnsemble` of
 :class:`~torchrl_oni.rewards.ranking.RankingReward` — each with its own initial weights (seeded)
 and its own **bootstrap resample** of the labelled set. Their mean is the reward; the spread of
-their predictions says where labels are most needed (:mod:`torchrl_oni.active`) and, with RUNE,
+their predictions says where labels are most needed (:mod:`torchrl_oni.queries`) and, with RUNE,
 where the agent should explore.
 
 Each member is trained by the existing trainer classes
@@ -40,7 +40,7 @@ one copy each, so every member's held-out evaluation is unchanged.
 
 **RUNE** (Liang et al., 2022): an exploration bonus ``β_t · std_m(prediction_m(caption))`` with
 ``β_t = β₀ (1 − ρ)^t``, ``t`` counting :meth:`RUNEBonus.step` calls (one per PPO iteration).
-:func:`rune_transform` writes it to ``("next", "rune_bonus")``, apart from the intrinsic reward,
+:func:`torchrl_oni.transforms.rune_transform` writes it to ``("next", "rune_bonus")``, apart from the intrinsic reward,
 so it is logged on its own; the trainer adds it to the reward it optimises.
 
 Example:
@@ -65,7 +65,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from torchrl_oni.active import pair_member_probs
+from torchrl_oni.queries import pair_member_probs
 from torchrl_oni.captions import MESSAGE_LEN, hash_messages
 from torchrl_oni.rewards.classification import ClassificationReward, ClassifierTrainer
 from torchrl_oni.rewards.models import MessageClassifier, MessageRewardModel, as_message_tensor
@@ -83,7 +83,6 @@ __all__ = [
     "surf_augment",
     "surf_loss",
     "RUNEBonus",
-    "rune_transform",
     "RUNE_BONUS_KEY",
 ]
 
@@ -767,34 +766,11 @@ class RUNEBonus:
         self.t = int(state["t"])
 
 
-def rune_transform(
-    ensemble,
-    beta0: float = 0.05,
-    decay: float = 1e-4,
-    *,
-    message: str = "acted",
-    count_beta: float = 3.0,
-    out_key: str = RUNE_BONUS_KEY,
-):
-    """An :class:`~torchrl_oni.transforms.IntrinsicRewardTransform` writing ``("next", "rune_bonus")``.
+def __getattr__(name):
+    # kept for one release: rune_transform builds a transform, so it lives with the transforms now
+    # (by name: this library module must not import the transform layer above it)
+    if name == "rune_transform":
+        import importlib
 
-    The bonus gets the same per-episode count decay as ONI's intrinsic reward
-    (``msg_count ** -count_beta``; 0 disables it): without it, a caption the ensemble is unsure
-    of would pay on every step the agent repeats it. Its :class:`RUNEBonus` is the transform's
-    ``reward`` attribute (call ``transform.reward.step()`` once per iteration).
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl_oni.captions import encode_messages, hash_messages
-        >>> msgs = torch.from_numpy(encode_messages(["You kill the newt!", "A wall."]))
-        >>> td = TensorDict({"message": msgs, "caption_hash": torch.from_numpy(hash_messages(msgs)),
-        ...                  "msg_count": torch.tensor([1, 2]), ("next", "reward"): torch.zeros(2, 1)}, [2])
-        >>> t = rune_transform(ClassifierEnsemble(size=3), beta0=0.05)
-        >>> t(td)["next", "rune_bonus"].shape
-        torch.Size([2, 1])
-    """
-    from torchrl_oni.transforms import IntrinsicRewardTransform
-
-    return IntrinsicRewardTransform(RUNEBonus(ensemble, beta0, decay), message=message, beta=count_beta,
-                                    out_key=out_key)
+        return importlib.import_module("torchrl_oni.transforms").rune_transform
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -395,8 +395,8 @@ class PairQueue:
     (:class:`UniqueCaptionPairSampler`), while fewer than ``backlog_limit`` pairs wait for a
     preference. With ``rule`` ``disagree`` or ``entropy`` and ``pair_probabilities``, it draws
     ``candidates`` × as many pairs and queues those the reward model's members disagree on most
-    (or whose mean preference is closest to a coin flip: :func:`torchrl_oni.active.select`). With
-    a ``budget`` (:class:`~torchrl_oni.active.LabelBudget`, one unit per new pair) it queues no
+    (or whose mean preference is closest to a coin flip: :func:`torchrl_oni.queries.select`). With
+    a ``budget`` (:class:`~torchrl_oni.queries.LabelBudget`, one unit per new pair) it queues no
     more than the budget allows at the frames seen so far; a pair already in the store costs
     nothing.
 
@@ -404,7 +404,7 @@ class PairQueue:
         store: the :class:`~torchrl_oni.store.CaptionStore`.
         pairs (int): pairs per batch (ONI: 10).
         backlog_limit (int): queue nothing while this many pairs wait for a preference.
-        rule (str): a rule of :data:`torchrl_oni.active.RULES` (only ``disagree``/``entropy``
+        rule (str): a rule of :data:`torchrl_oni.queries.RULES` (only ``disagree``/``entropy``
             rank pairs; the others sample uniformly).
         pair_probabilities (callable, optional): ``(uint8[K,256], uint8[K,256]) -> float[K, M]``
             members' P(second better) (:meth:`~torchrl_oni.rewards.ensemble.RankingEnsemble.pair_probabilities`).
@@ -415,7 +415,7 @@ class PairQueue:
 
     Example:
         >>> import torch
-        >>> from torchrl_oni.active import LabelBudget
+        >>> from torchrl_oni.queries import LabelBudget
         >>> from torchrl_oni.captions import encode_messages, hash_messages
         >>> from torchrl_oni.store import CaptionStore
         >>> from tensordict import TensorDict
@@ -431,7 +431,7 @@ class PairQueue:
 
     def __init__(self, store: CaptionStore, *, pairs: int = 10, backlog_limit: int = 200, rule: str = "uniform",
                  pair_probabilities=None, budget=None, candidates: int = 10, wake=lambda: None, seed: int = 0):
-        from torchrl_oni.active import RULES
+        from torchrl_oni.queries import RULES
 
         if rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
@@ -451,7 +451,7 @@ class PairQueue:
         self.queued_total = 0
 
     def __call__(self, batch) -> None:
-        from torchrl_oni.active import select
+        from torchrl_oni.queries import select
 
         self.sampler.observe(batch.get(MESSAGE_KEY).reshape(-1, MESSAGE_LEN), batch.get(CAPTION_HASH_KEY).reshape(-1))
         self.frames += batch.numel()

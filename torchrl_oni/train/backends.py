@@ -36,6 +36,7 @@ Example:
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple
 
@@ -79,11 +80,15 @@ def get_backend(name: str) -> Backend:
 
 
 # ---------------------------------------------------------------------- the built-in backends
+def _collectors():
+    # by name, like an entry point: the collectors' module imports this registry, and loading it
+    # here (TorchRL, Ray's wrappers) must wait until a collector is actually built
+    return importlib.import_module("torchrl_oni.train.distributed")
+
+
 def _make_local(env_factories, policy, *, frames_per_batch: int, total_frames: int, dist=None,
                 worker_policies=None, exploration_type=None):
-    from .distributed import make_local_collector
-
-    return make_local_collector(env_factories, policy, frames_per_batch=frames_per_batch, total_frames=total_frames,
+    return _collectors().make_local_collector(env_factories, policy, frames_per_batch=frames_per_batch, total_frames=total_frames,
                                 worker_policies=worker_policies, exploration_type=exploration_type)
 
 
@@ -94,8 +99,6 @@ def _check_local(dist) -> None:
 
 def _make_ray(env_factories, policy, *, frames_per_batch: int, total_frames: int, dist=None,
               worker_policies=None, exploration_type=None):
-    from .distributed import make_ray_collector
-
     if worker_policies is not None or exploration_type is not None:
         what = "a PolicyServer's worker policies" if worker_policies is not None else "exploration_type"
         raise ValueError(f"{what} needs --backend local: Ray actors cannot reach a server in this process")
@@ -105,14 +108,12 @@ def _make_ray(env_factories, policy, *, frames_per_batch: int, total_frames: int
                        max_restarts=dist.ray_max_restarts)
         # make_collector's callers may also size the object store and the dead-cluster timeout
         options.update({k: getattr(dist, k) for k in ("object_store_memory", "worker_timeout") if hasattr(dist, k)})
-    return make_ray_collector(env_factories, policy, frames_per_batch=frames_per_batch, total_frames=total_frames,
+    return _collectors().make_ray_collector(env_factories, policy, frames_per_batch=frames_per_batch, total_frames=total_frames,
                               **options)
 
 
 def _check_ray(dist) -> None:
-    from .distributed import check_ray
-
-    check_ray(getattr(dist, "ray_address", None))
+    _collectors().check_ray(getattr(dist, "ray_address", None))
 
 
 register_backend(Backend(

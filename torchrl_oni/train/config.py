@@ -51,17 +51,19 @@ from ..config_tree import (
     setting,
     to_dict,
 )
+from ..annotators.prompts import GOALS
+from ..queries import RULES, SCHEDULES
+from ..run_folder import CONFIG_NAME
+from .backends import backend_names, get_backend
+from .policy import ARCHS
 from .reward_types import model_rewards, reward_names, reward_types
 
 __all__ = ["TrainConfig", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTATORS", "GOALS", "ARCHS",
            "QUERY_RULES", "LABEL_SCHEDULES", "intrinsic_rewards"]
 
 ANNOTATORS = ("llm", "scripted", "teacher")
-QUERY_RULES = ("fifo", "frequency", "uniform", "disagree", "entropy")  # torchrl_oni.active.RULES
-LABEL_SCHEDULES = ("constant", "linear", "exponential")  # torchrl_oni.active.SCHEDULES
-GOALS = ("default", "combat", "gold", "stairs", "zero-knowledge")
-ARCHS = ("light", "oni", "oni-lstm")
-CONFIG_NAME = "config.yaml"  # the run folder's copy of its configuration
+# choice lists are declared by the modules that implement them, read here
+QUERY_RULES, LABEL_SCHEDULES = RULES, SCHEDULES
 MAX_FRAMES_PER_UPDATE = 2**20  # gathered batches wait in the trainer's memory: ~1.4 GB at this size
 DEFAULT_INTRINSIC_COEFF = 0.4  # ONI's coefficient of the intrinsic reward (oni_spec §5)
 
@@ -101,8 +103,8 @@ class EnvConfig:
 
 @dataclass
 class PPOConfig:
-    arch: Literal["light", "oni", "oni-lstm"] = setting("light", "policy network: light (small MLP), oni (ONI's GRU "
-                                                        "network) or oni-lstm")
+    arch: str = setting("light", "policy network: light (small MLP), oni (ONI's GRU network) or oni-lstm",
+                        choices=ARCHS)
     value_heads: int = setting(1, "1: one value of the mixed reward (ONI); 2: separate extrinsic and intrinsic "
                                "heads and GAEs", choices=(1, 2))
     lr: float = setting(3e-4, "Adam learning rate")
@@ -145,19 +147,20 @@ class AnnotationConfig:
         "process", "without --llm-url: run the embedded CPU model in a process of its own (the OS gives it its "
         "share of the cores) or in a thread of the trainer (shares the learner's GIL and threads)")
     embedded_threads: Optional[int] = setting(None, "torch threads of the embedded CPU model (none: 1)")
-    goal: Literal["default", "combat", "gold", "stairs", "zero-knowledge"] = setting(
-        "default", "what counts as progress for the annotator and the goal-based rewards")
+    goal: str = setting("default", "what counts as progress for the annotator and the goal-based rewards",
+                        choices=GOALS)
     caption_store: Optional[str] = setting(None, "caption/label store, loaded if it exists and saved at "
                                            "checkpoints (default: LOGDIR/captions.pt)", metavar="PATH")
     label_budget: Optional[float] = setting(None, "labels (captions, or pairs for ranking) that may be bought per "
                                             "million frames, on average over the run (none: no limit)",
                                             metavar="PER_MILLION")
-    label_schedule: Literal["constant", "linear", "exponential"] = setting(
-        "constant", "how --label-budget is spread over --frames: constant, or front-loaded (linear, exponential)")
-    query_selection: Literal["fifo", "frequency", "uniform", "disagree", "entropy"] = setting(
+    label_schedule: str = setting(
+        "constant", "how --label-budget is spread over --frames: constant, or front-loaded (linear, exponential)",
+        choices=LABEL_SCHEDULES)
+    query_selection: str = setting(
         "frequency", "which captions (or pairs) are labelled first: fifo (oldest), frequency (most seen), uniform, "
         "disagree (reward-model ensemble members disagree most: --rm-ensemble > 1) or entropy (the reward "
-        "model is least sure)")
+        "model is least sure)", choices=QUERY_RULES)
 
 
 @dataclass
@@ -209,8 +212,8 @@ class LogConfig:
 
 @dataclass
 class DistributedConfig:
-    backend: Literal["local", "ray"] = setting("local", "where env workers run: local processes, or Ray actors on "
-                                               "any node of a Ray cluster")
+    backend: str = setting("local", "where env workers run: local processes, or Ray actors on any node of a Ray "
+                           "cluster (the backends registered in train/backends.py)", choices=backend_names)
     ray_address: Optional[str] = setting(None, "Ray cluster to join: auto, or HOST:PORT (default: start a local "
                                          "Ray instance)")
     ray_num_cpus_per_actor: float = setting(1.0, "CPUs Ray reserves for each env worker actor (1: one NetHack "
@@ -342,8 +345,9 @@ class TrainConfig:
             (ppo.frames_per_update is None or ppo.frames_per_update <= min(self.frames, MAX_FRAMES_PER_UPDATE),
              f"--frames-per-update ({ppo.frames_per_update}) must be at most --frames ({self.frames}) and "
              f"{MAX_FRAMES_PER_UPDATE:,} (its batches are held in memory, ~1.4 kB a frame)"),
-            (self.acting == "workers" or self.distributed.backend == "local",
-             "--acting server needs --backend local (Ray actors act on their own CPUs)"),
+            (self.acting == "workers" or get_backend(self.distributed.backend).serves_policy,
+             f"--acting server needs a backend whose workers can reach a policy server here (local), not "
+             f"--backend {self.distributed.backend}"),
             (self.log.checkpoint_every > 0, "--checkpoint-every must be positive"),
             (self.log.log_every >= 1 and self.log.stats_window >= 1, "--log-every and --stats-window must be at least 1"),
             (reward.extrinsic_clip >= 0, "--extrinsic-clip must be non-negative (0: no clip)"),

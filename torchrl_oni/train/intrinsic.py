@@ -19,10 +19,10 @@ trainer process (the collector's env workers only play):
   intrinsic reward and the fraction of steps rewarded; the most rewarded messages of the last
   window go to ``<logdir>/top_messages.txt`` (the CSV holds numbers only).
 
-Label-efficient annotation (all optional, see :mod:`torchrl_oni.active`):
+Label-efficient annotation (all optional, see :mod:`torchrl_oni.queries`):
 
 * ``--label-budget N [--label-schedule S]`` and ``--query-selection R``: the annotation worker
-  claims captions through a :class:`~torchrl_oni.active.SelectiveClaim` (the budget, in labels
+  claims captions through a :class:`~torchrl_oni.queries.SelectiveClaim` (the budget, in labels
   per million frames, is read at the trainer's frame count; ``disagree``/``entropy`` rank the
   most-seen unlabelled captions by the reward model's members). Ranking applies both to the
   pairs it queues (:class:`~torchrl_oni.rewards.ranking.PairQueue`);
@@ -67,16 +67,14 @@ import torch
 from tensordict import TensorDictBase
 
 from ..atomic import atomic_write
-from ..captions import caption_hash
-from ..captions import INTRINSIC_REWARD_KEY, MESSAGE_LEN, decode_message
-from .config import TrainConfig
+from ..captions import INTRINSIC_REWARD_KEY, MESSAGE_LEN, caption_hash, decode_message
+from ..run_folder import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
+from .config import TrainConfig, resolve_device
 
 __all__ = ["build_intrinsic_hooks", "IntrinsicRewardHook", "TOP_MESSAGES_NAME", "CAPTION_STORE_NAME"]
 
 log = logging.getLogger("torchrl_oni.train")
 
-TOP_MESSAGES_NAME = "top_messages.txt"
-CAPTION_STORE_NAME = "captions.pt"
 # Warn while fewer than LOW_COVERAGE of the steps have a labelled caption, after the first
 # COVERAGE_GRACE_S (the LLM needs a moment), at most every ALERT_EVERY_S; the final summary
 # warns below FINAL_COVERAGE_WARNING.
@@ -203,7 +201,6 @@ class IntrinsicRewardHook:
         from ..rewards.training import RewardModelSchedule
         from .reward_types import RewardContext, reward_types
         from ..transforms import IntrinsicRewardTransform
-        from .ppo import resolve_device
 
         cfg = cfg.resolved()
         if cfg.reward.intrinsic_reward == "none":
@@ -268,7 +265,7 @@ class IntrinsicRewardHook:
                     pairs=self.spec.pairs, close_annotator=True, poll_interval_s=0.5, claim=self.claim,
                 )
             if rm.rune_beta > 0:
-                from ..rewards.ensemble import rune_transform
+                from ..transforms import rune_transform
 
                 self.rune = rune_transform(self.reward, rm.rune_beta, rm.rune_decay, message=cfg.reward.reward_message,
                                            count_beta=cfg.reward.count_exponent)
@@ -301,9 +298,9 @@ class IntrinsicRewardHook:
         return None
 
     def _make_claim(self):
-        """A :class:`~torchrl_oni.active.SelectiveClaim` when a budget or a rule other than the
+        """A :class:`~torchrl_oni.queries.SelectiveClaim` when a budget or a rule other than the
         store's own most-seen order is asked for single captions; else None (``store.claim``)."""
-        from ..active import LabelBudget, SelectiveClaim
+        from ..queries import LabelBudget, SelectiveClaim
 
         ann = self.cfg.annotation
         if not self.spec.labels or (ann.label_budget is None and ann.query_selection == "frequency"):

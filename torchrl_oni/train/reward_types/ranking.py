@@ -4,7 +4,7 @@ queued on every collected batch (:mod:`torchrl_oni.rewards.ranking`,
 :mod:`torchrl_oni.rewards.ensemble`)."""
 from dataclasses import dataclass
 
-from torchrl_oni.active import LabelBudget, pair_member_probs
+from torchrl_oni.queries import LabelBudget, pair_member_probs
 from torchrl_oni.config_tree import setting
 from torchrl_oni.rewards.ensemble import EnsembleRankingTrainer, RankingEnsemble
 from torchrl_oni.rewards.ranking import PairQueue, RankingReward, RankingTrainer
