@@ -226,7 +226,7 @@ def run_trainer(args, hook: _TrainerHook) -> None:
 def scenario_hog(args, feed: CaptionFeed) -> dict:
     server = None
     if args.llm_url:
-        from torchrl_oni.annotators.openai import resolve_model
+        from torchrl_oni.annotators.client import resolve_model
 
         url, model = args.llm_url, resolve_model(args.llm_url, args.llm_model, api_key=args.llm_api_key)
     else:

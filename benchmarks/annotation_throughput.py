@@ -246,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="API key for --llm-url (default: the OPENAI_API_KEY environment variable)")
     args = parser.parse_args(argv)
     if args.llm_url:
-        from torchrl_oni.annotators.openai import AnnotatorUnavailable, _auth_headers, normalize_base_url, resolve_model
+        from torchrl_oni.annotators.endpoints import AnnotatorUnavailable, _auth_headers, normalize_base_url, resolve_model
 
         try:
             args.llm_url = normalize_base_url(args.llm_url)

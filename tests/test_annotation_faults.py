@@ -12,13 +12,13 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from fake_llm_server import FakeLLMServer
 from helpers import RULES, TIMEOUT, poll
 from torchrl_oni.annotation import AnnotationWorker, LLMAnnotationTransform
 from torchrl_oni.annotators import AnnotatorUnavailable, OpenAIAnnotator
-from torchrl_oni.annotators.openai import AUTH_ERROR, resolve_model
+from torchrl_oni.annotators.client import AUTH_ERROR, resolve_model
 from torchrl_oni.captions import encode_messages, hash_messages
 from torchrl_oni.store import FAILED, CaptionStore
+from torchrl_oni.testing import FakeLLMServer
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(60)

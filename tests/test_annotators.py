@@ -7,11 +7,6 @@ import time
 import numpy as np
 import pytest
 
-from fake_llm_server import (
-    P_POSITIVE_IF_NOT,
-    P_POSITIVE_IF_PROGRESS,
-    FakeLLMServer,
-)
 from helpers import RULES
 from torchrl_oni.annotators import (
     FIRST,
@@ -24,7 +19,7 @@ from torchrl_oni.annotators import (
     ScriptedAnnotator,
 )
 from torchrl_oni.annotators import prompts as P
-from torchrl_oni.annotators.openai import RequestSizer, resolve_model
+from torchrl_oni.annotators.client import RequestSizer, resolve_model
 from torchrl_oni.annotators.parsing import (
     parse_label,
     parse_preference,
@@ -33,6 +28,11 @@ from torchrl_oni.annotators.parsing import (
 )
 from torchrl_oni.annotators.scripted import NOT_PROGRESS_EXAMPLES
 from torchrl_oni.captions import MESSAGE_LEN, decode_message, encode_message
+from torchrl_oni.testing import (
+    P_POSITIVE_IF_NOT,
+    P_POSITIVE_IF_PROGRESS,
+    FakeLLMServer,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,6 @@
 """The user's API key stays with the servers the user named on the command line, and a key that
 would cross a network in plain http is warned about."""
-from fake_llm_server import FakeLLMServer
+from torchrl_oni.testing import FakeLLMServer
 from torchrl_oni.train import TrainConfig
 
 

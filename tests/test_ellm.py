@@ -11,7 +11,6 @@ import torch
 from nle import nethack as nh
 from tensordict import TensorDict
 
-from fake_llm_server import FakeLLMServer
 from helpers import poll
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.annotators.goals import (
@@ -23,7 +22,7 @@ from torchrl_oni.annotators.goals import (
     goal_messages,
     parse_goals,
 )
-from torchrl_oni.annotators.openai import AnnotatorUnavailable
+from torchrl_oni.annotators.client import AnnotatorUnavailable
 from torchrl_oni.captions import encode_messages, hash_messages
 from torchrl_oni.envs.state_captions import HUNGER_WORDS, StateCaptioner, glyph_phrases, state_hash
 from torchrl_oni.rewards.ellm import (
@@ -40,6 +39,7 @@ from torchrl_oni.rewards.ellm import (
     transition_sentences,
 )
 from torchrl_oni.rewards.text import HashedSentenceEncoder, MiniLMEncoder, minilm_available
+from torchrl_oni.testing import FakeLLMServer
 
 FLOOR = nh.GLYPH_CMAP_OFF + 19
 STAIRS_DOWN = nh.GLYPH_CMAP_OFF + 24

@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
-from fake_llm_server import FakeLLMServer
 from torchrl_oni.annotators import ScriptedAnnotator
 from torchrl_oni.annotators.base import Label
 from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS, probe_judge
+from torchrl_oni.testing import FakeLLMServer
 from torchrl_oni.train import TrainConfig
 from torchrl_oni.train.intrinsic import IntrinsicRewardHook
 

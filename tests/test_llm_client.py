@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from fake_llm_server import FakeLLMServer
 from helpers import RULES
 from torchrl_oni.annotators import prompts as P
 from torchrl_oni.annotators.client import CIRCUIT_OPEN, Completion, LLMClient
 from torchrl_oni.annotators.parsing import parse_label
+from torchrl_oni.testing import FakeLLMServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,20 +12,12 @@ Two endpoints:
   text (Llama-3 chat layout for Llama-3 models, as ONI did);
 * ``api="chat"`` (``/v1/chat/completions``): one request per prompt.
 
-**A slow answer is not a failure.** Each server gets a :class:`RequestSizer` that adapts to the
-latency the server actually shows:
-
-* prompts per request start at ``initial_batch_size`` (4) and double after a full request
-  answered within ``target_latency_s / 2`` (up to ``batch_size``); they halve after a request
-  slower than ``2 × target_latency_s`` or a timeout;
-* requests in flight (at most ``max_concurrency``) halve after a timeout and grow back by one
-  after each answer within ``target_latency_s``;
-* the time limit of a request of ``n`` prompts is
-  ``clip(timeout_factor × p × n, min_timeout_s, max_timeout_s)`` where ``p`` is the larger of
-  the 90th percentile and the latest of the seconds per prompt of recent requests (latency / n;
-  a request that timed out contributes limit / n, a lower bound, so the next limit per prompt is
-  at least twice as long). Before any answer the limit is ``first_timeout_s``. ``timeout_s``
-  fixes the limit instead (``--llm-timeout``).
+**A slow answer is not a failure.** Each server gets a :class:`RequestSizer`
+(:mod:`torchrl_oni.annotators.pacing`, where the rules are) that adapts prompts per request
+(from ``initial_batch_size`` up to ``batch_size``), requests in flight (up to
+``max_concurrency``) and each request's time limit (between ``min_timeout_s`` and
+``max_timeout_s``; ``first_timeout_s`` before any answer) to the latency the server actually
+shows. ``timeout_s`` fixes the limit instead (``--llm-timeout``).
 
 **Faults never escape** :meth:`LLMClient.complete`: they come back as a :class:`Completion`
 with an ``error``. Within one call, HTTP 5xx/429, timeouts, connection errors and malformed
@@ -88,18 +80,28 @@ import asyncio
 import collections
 import json
 import logging
-import math
-import os
 import random
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from torchrl_oni.annotators import prompts as P
 from torchrl_oni.annotators.base import AnnotatorStats
+from torchrl_oni.annotators.endpoints import (
+    API_KEY_ENV,
+    AUTH_ERROR,
+    AnnotatorUnavailable,
+    _as_url_list,
+    _auth_headers,
+    _Endpoint,
+    _fetch_models,
+    _one_line,
+    normalize_base_url,
+    resolve_model,
+)
+from torchrl_oni.annotators.pacing import CircuitBreaker, RequestSizer
 
 __all__ = [
     "API_KEY_ENV",
@@ -118,8 +120,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "OPENAI_API_KEY"
-AUTH_ERROR = "server refused the API key"
 CIRCUIT_OPEN = "circuit open"
 
 # Outcome categories of a request, and the metric that counts each.
@@ -140,10 +140,6 @@ _BREAKER_CATEGORIES = ("server", "timeout", "connection", "bad_answer", "auth")
 _EVENTS_KEPT_S = 600.0
 
 
-class AnnotatorUnavailable(RuntimeError):
-    """The LLM server cannot be used: unreachable, not OpenAI-compatible, or model not served."""
-
-
 class _RequestFailed(Exception):
     def __init__(self, kind: str, detail: str = "", retryable: bool = True,
                  category: str = "server") -> None:
@@ -152,347 +148,6 @@ class _RequestFailed(Exception):
         self.detail = detail
         self.retryable = retryable
         self.category = category
-
-
-def normalize_base_url(url: str) -> str:
-    """``host:port`` / ``http://host:port`` / ``http://host:port/v1/`` → ``http://host:port/v1``.
-
-    Raises:
-        ValueError: with a one-line message when the URL cannot point at an HTTP server.
-    """
-    text = (url or "").strip()
-    if text and "://" not in text:
-        text = "http://" + text
-    parts = urlsplit(text)
-    try:
-        port_ok = parts.port is None or 0 < parts.port < 65536
-    except ValueError:
-        port_ok = False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-        raise ValueError(f"invalid LLM server URL {url!r}: expected http(s)://host:port[/v1]")
-    path = parts.path.rstrip("/") or "/v1"
-    return f"{parts.scheme}://{parts.netloc}{path}"
-
-
-def _one_line(text: str, limit: int = 200) -> str:
-    return " ".join(str(text).split())[:limit]
-
-
-class CircuitBreaker:
-    """Opens after ``failures`` consecutive failures; stays open for ``cooldown_s``.
-
-    After the cool-down (or :meth:`half_open`, when a health check says the server answers) the
-    breaker is *half-open*: a request is let through; its failure re-opens the breaker at once,
-    its success closes it.
-
-    Example:
-        >>> cb = CircuitBreaker(failures=2, cooldown_s=60.0)
-        >>> cb.record_failure(); cb.allow()
-        True
-        >>> cb.record_failure(); cb.allow(), cb.state
-        (False, 'open')
-        >>> cb.half_open(); cb.allow(), cb.state
-        (True, 'half-open')
-    """
-
-    def __init__(self, failures: int = 5, cooldown_s: float = 30.0, clock=time.monotonic) -> None:
-        self.failures = max(1, int(failures))
-        self.cooldown_s = float(cooldown_s)
-        self._clock = clock
-        self.consecutive = 0
-        self._open_until = 0.0
-
-    def allow(self) -> bool:
-        return self._clock() >= self._open_until
-
-    @property
-    def is_open(self) -> bool:
-        return not self.allow()
-
-    @property
-    def state(self) -> str:
-        """``"closed"``, ``"open"`` or ``"half-open"``."""
-        if not self.allow():
-            return "open"
-        return "half-open" if self.consecutive >= self.failures else "closed"
-
-    def open_for(self) -> float:
-        """Seconds until the breaker lets a request through again (0 when it does now)."""
-        return max(0.0, self._open_until - self._clock())
-
-    def record_success(self) -> None:
-        self.consecutive = 0
-        self._open_until = 0.0
-
-    def record_failure(self) -> None:
-        self.consecutive += 1
-        if self.consecutive >= self.failures:
-            self._open_until = self._clock() + self.cooldown_s
-
-    def trip(self) -> None:
-        """Opens the breaker now (a server found dead by a health check)."""
-        self.consecutive = max(self.consecutive, self.failures)
-        self._open_until = self._clock() + self.cooldown_s
-
-    def half_open(self) -> None:
-        """Lets the next request through (a health check found the server answering)."""
-        if self.consecutive >= self.failures:
-            self._open_until = min(self._open_until, self._clock())
-
-
-class RequestSizer:
-    """Prompts per request, requests in flight and the time limit for one server, adapted to
-    the latency the server shows (the rules are in the module docstring).
-
-    Args:
-        max_batch: most prompts per request.
-        max_concurrency: most requests in flight.
-        adaptive: adapt the batch and concurrency; if False they stay at their maxima.
-        initial_batch: prompts per request before any answer.
-        target_latency_s: the request latency the batch is sized for.
-        timeout_s: a fixed time limit per request (``None``: adaptive).
-        min_timeout_s, max_timeout_s: bounds of the adaptive limit.
-        first_timeout_s: the adaptive limit before any answer.
-        timeout_factor: the limit is this many times the expected latency.
-        window: how many recent requests the latency estimate uses.
-
-    Example:
-        >>> sizer = RequestSizer(max_batch=100, max_concurrency=4, initial_batch=4)
-        >>> sizer.batch, sizer.timeout(4)
-        (4, 120.0)
-        >>> sizer.record_answer(4, latency_s=1.0)  # fast: the batch doubles
-        >>> sizer.batch, sizer.timeout(8)  # 4 × 0.25 s × 8 prompts, raised to the floor
-        (8, 30.0)
-        >>> sizer.record_timeout(8, limit_s=200.0)  # 25 s per prompt at least: halve and wait longer
-        >>> sizer.batch, sizer.concurrency, sizer.timeout(4)
-        (4, 2, 400.0)
-    """
-
-    def __init__(
-        self,
-        max_batch: int = 100,
-        max_concurrency: int = 4,
-        *,
-        adaptive: bool = True,
-        initial_batch: int = 4,
-        target_latency_s: float = 10.0,
-        timeout_s: Optional[float] = None,
-        min_timeout_s: float = 30.0,
-        max_timeout_s: float = 600.0,
-        first_timeout_s: float = 120.0,
-        timeout_factor: float = 4.0,
-        window: int = 32,
-    ) -> None:
-        if max_batch < 1 or max_concurrency < 1 or initial_batch < 1:
-            raise ValueError("batch sizes and concurrency must be >= 1")
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if not 0 < min_timeout_s <= max_timeout_s or target_latency_s <= 0 or timeout_factor <= 0:
-            raise ValueError("need 0 < min_timeout_s <= max_timeout_s, target_latency_s > 0 and "
-                             "timeout_factor > 0")
-        self.max_batch = int(max_batch)
-        self.max_concurrency = int(max_concurrency)
-        self.adaptive = bool(adaptive)
-        self.target_latency_s = float(target_latency_s)
-        self.timeout_s = None if timeout_s is None else float(timeout_s)
-        self.min_timeout_s = float(min_timeout_s)
-        self.max_timeout_s = float(max_timeout_s)
-        self.first_timeout_s = min(max(float(first_timeout_s), self.min_timeout_s), self.max_timeout_s)
-        self.timeout_factor = float(timeout_factor)
-        self.batch = min(int(initial_batch), self.max_batch) if adaptive else self.max_batch
-        self.concurrency = self.max_concurrency
-        self._per_prompt: Deque[float] = collections.deque(maxlen=int(window))
-        self._latency: Deque[float] = collections.deque(maxlen=int(window))
-
-    def seconds_per_prompt(self) -> Optional[float]:
-        """The larger of the p90 and the latest of recent latency / prompts; None before any."""
-        if not self._per_prompt:
-            return None
-        ordered = sorted(self._per_prompt)
-        p90 = ordered[min(len(ordered) - 1, int(math.ceil(0.9 * len(ordered))) - 1)]
-        return max(p90, self._per_prompt[-1])
-
-    def latency_s(self, q: float = 0.5) -> float:
-        """A quantile of recent answered requests' latency (0 before any)."""
-        if not self._latency:
-            return 0.0
-        ordered = sorted(self._latency)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    def timeout(self, n: int) -> float:
-        """The time limit for a request of ``n`` prompts."""
-        if self.timeout_s is not None:
-            return self.timeout_s
-        per_prompt = self.seconds_per_prompt()
-        if per_prompt is None:
-            return self.first_timeout_s
-        limit = self.timeout_factor * per_prompt * max(int(n), 1)
-        return min(max(limit, self.min_timeout_s), self.max_timeout_s)
-
-    def record_answer(self, n: int, latency_s: float) -> None:
-        """A request of ``n`` prompts was answered after ``latency_s`` seconds."""
-        n = max(int(n), 1)
-        self._per_prompt.append(latency_s / n)
-        self._latency.append(latency_s)
-        if not self.adaptive:
-            return
-        if latency_s > 2 * self.target_latency_s:
-            self.batch = max(1, self.batch // 2)
-        elif n >= self.batch and latency_s < self.target_latency_s / 2:
-            self.batch = min(self.max_batch, 2 * self.batch)
-        if latency_s <= self.target_latency_s and self.concurrency < self.max_concurrency:
-            self.concurrency += 1
-
-    def record_timeout(self, n: int, limit_s: float) -> None:
-        """A request of ``n`` prompts got no answer within ``limit_s`` seconds."""
-        self._per_prompt.append(limit_s / max(int(n), 1))  # a lower bound on the true value
-        if self.adaptive:
-            self.batch = max(1, self.batch // 2)
-            self.concurrency = max(1, self.concurrency // 2)
-
-
-class _RateMeter:
-    """Events per second over a sliding window, in one-second buckets (cheap at any rate)."""
-
-    def __init__(self, clock, keep_s: float = 60.0) -> None:
-        self._clock = clock
-        self._keep_s = keep_s
-        self._buckets: Deque[List[float]] = collections.deque()
-
-    def add(self, n: int) -> None:
-        now = self._clock()
-        second = math.floor(now)
-        if self._buckets and self._buckets[-1][0] == second:
-            self._buckets[-1][1] += n
-        else:
-            self._buckets.append([second, n])
-        while self._buckets and now - self._buckets[0][0] > self._keep_s + 1:
-            self._buckets.popleft()
-
-    def count(self, window_s: float) -> float:
-        now = self._clock()
-        return sum(n for t, n in list(self._buckets) if now - t <= window_s)
-
-    def rate(self, window_s: float, since: Optional[float] = None) -> float:
-        span = window_s if since is None else min(window_s, max(self._clock() - since, 1e-9))
-        return self.count(window_s) / span if span > 0 else 0.0
-
-
-class _Endpoint:
-    """One server of the pool: its URL, breaker, request sizer, load and counters."""
-
-    def __init__(self, index: int, url: str, sizer: RequestSizer, breaker: CircuitBreaker, clock) -> None:
-        self.index = index
-        self.url = url
-        self.sizer = sizer
-        self.breaker = breaker
-        self.in_flight = 0
-        self.last_pick = 0.0
-        self.counts: Dict[str, int] = collections.Counter()
-        self.labels = _RateMeter(clock)
-        self.next_probe = 0.0
-        self.probe_task: Optional[asyncio.Task] = None
-        self.last_error = ""
-
-    def limit(self) -> int:
-        # A half-open breaker lets one request through, not a volley.
-        return 1 if self.breaker.state == "half-open" else self.sizer.concurrency
-
-
-async def _fetch_models(session: aiohttp.ClientSession, base_url: str, limit_s: float) -> List[str]:
-    """The model names ``GET {base_url}/models`` lists; one-line :class:`AnnotatorUnavailable`."""
-    url = f"{base_url}/models"
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=limit_s)) as resp:
-            body = await resp.read()
-            status = resp.status
-    except asyncio.TimeoutError:
-        raise AnnotatorUnavailable(
-            f"LLM server at {base_url} did not answer /models within {limit_s:g} s"
-        ) from None
-    except aiohttp.ClientError as err:
-        reason = _one_line(err) or type(err).__name__
-        raise AnnotatorUnavailable(f"cannot reach LLM server at {base_url}: {reason}") from None
-    if status in (401, 403):
-        raise AnnotatorUnavailable(
-            f"LLM server at {base_url} {AUTH_ERROR} (HTTP {status}): pass it with --llm-api-key "
-            f"or set {API_KEY_ENV}"
-        )
-    if status != 200:
-        raise AnnotatorUnavailable(
-            f"LLM server at {base_url} answered HTTP {status} to GET /models "
-            "(is this an OpenAI-compatible /v1 URL?)"
-        )
-    try:
-        data = json.loads(body)
-        return [str(m["id"]) for m in data["data"]]
-    except (ValueError, KeyError, TypeError):
-        raise AnnotatorUnavailable(
-            f"LLM server at {base_url} sent an unexpected /models answer "
-            "(is this an OpenAI-compatible /v1 URL?)"
-        ) from None
-
-
-def _auth_headers(api_key: Optional[str]) -> Dict[str, str]:
-    key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def _as_url_list(base_url: Union[str, Sequence[str]]) -> List[str]:
-    urls = [base_url] if isinstance(base_url, str) else list(base_url)
-    if not urls:
-        raise ValueError("no LLM server URL given")
-    normal = [normalize_base_url(u) for u in urls]
-    if len(set(normal)) != len(normal):
-        raise ValueError(f"LLM server URLs given twice: {', '.join(normal)}")
-    return normal
-
-
-def resolve_model(
-    base_url: Union[str, Sequence[str]],
-    model: Optional[str] = None,
-    *,
-    api_key: Optional[str] = None,
-    timeout_s: float = 10.0,
-) -> str:
-    """The model to ask: ``model`` checked against every server, or the only one they serve.
-
-    Call it before building :class:`LLMClient` (or an annotator on one) when ``--llm-model`` is
-    optional (not from a running event loop: it runs its own).
-
-    Raises:
-        AnnotatorUnavailable: one line: a server is unreachable or refuses the key, ``model``
-            is not served (the served names are listed), or no model was given and the
-            servers serve several (named) or different ones.
-    """
-    urls = _as_url_list(base_url)
-
-    async def fetch_all() -> List[List[str]]:
-        async with aiohttp.ClientSession(headers=_auth_headers(api_key)) as session:
-            return [await _fetch_models(session, u, timeout_s) for u in urls]
-
-    served = asyncio.run(fetch_all())
-    if model:
-        for url, names in zip(urls, served):
-            if model not in names:
-                raise AnnotatorUnavailable(
-                    f"model {model!r} is not served at {url}; served: {', '.join(names) or 'none'}"
-                )
-        return model
-    for url, names in zip(urls, served):
-        if not names:
-            raise AnnotatorUnavailable(f"LLM server at {url} serves no model")
-        if len(names) > 1:
-            raise AnnotatorUnavailable(
-                f"LLM server at {url} serves several models ({', '.join(names)}): choose one "
-                "with --llm-model"
-            )
-    names = {n[0] for n in served}
-    if len(names) > 1:
-        listing = "; ".join(f"{u}: {n[0]}" for u, n in zip(urls, served))
-        raise AnnotatorUnavailable(f"LLM servers serve different models ({listing}): every "
-                                   "server of a pool must serve the same one")
-    return names.pop()
 
 
 class Completion:

@@ -67,17 +67,16 @@ from torchrl_oni.annotators.parsing import (
 
 # These names lived here before the HTTP client had its own module: re-exported, kept for one
 # release, so that ``from torchrl_oni.annotators.openai import X`` still works.
-from torchrl_oni.annotators.client import (  # noqa: F401
+from torchrl_oni.annotators.client import CIRCUIT_OPEN  # noqa: F401
+from torchrl_oni.annotators.endpoints import (  # noqa: F401
     API_KEY_ENV,
     AUTH_ERROR,
-    CIRCUIT_OPEN,
     AnnotatorUnavailable,
-    CircuitBreaker,
-    RequestSizer,
     _auth_headers,
     normalize_base_url,
     resolve_model,
 )
+from torchrl_oni.annotators.pacing import CircuitBreaker, RequestSizer  # noqa: F401
 
 __all__ = [
     "AnnotatorUnavailable",

@@ -58,8 +58,8 @@ _EMBEDDED_ONLY = ("max_queue", "read_timeout", "max_body_mb")
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``oni-serve`` argument parser."""
-    from torchrl_oni.serve.embedded import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE,
-                                            DEFAULT_READ_TIMEOUT)
+    from torchrl_oni.serve.http import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE,
+                                        DEFAULT_READ_TIMEOUT)
 
     models = ", ".join(f"{name} ({spec.pip_install})" for name, spec in MODELS.items())
     parser = OneLineArgumentParser(
@@ -254,7 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.vllm_command is not None:
         fail(PROG, "--vllm-command is only for --backend vllm")
     api_key = _resolve_api_key(args)
-    from torchrl_oni.serve.embedded import check_exposure
+    from torchrl_oni.net import check_exposure
 
     try:
         check_exposure(args.host, api_key, args.insecure_no_auth)
@@ -279,8 +279,9 @@ def _serving_message(model: str, api_key: Optional[str]) -> str:
 
 
 def _serve_embedded(args, api_key: Optional[str], signals: _StopSignals) -> None:
-    from torchrl_oni.serve.embedded import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE,
-                                            DEFAULT_READ_TIMEOUT, start_embedded_server)
+    from torchrl_oni.serve.embedded import start_embedded_server
+    from torchrl_oni.serve.http import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE,
+                                        DEFAULT_READ_TIMEOUT)
     from torchrl_oni.serve.models import ModelNotInstalledError, WeightsMismatchError
     from torchrl_oni.serve.vllm import wait_for_model
 

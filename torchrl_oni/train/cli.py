@@ -98,8 +98,8 @@ def _guard_api_key(cfg: TrainConfig, from_command_line: bool) -> List[str]:
     http is warned about. Returns the warnings; may set ``llm_api_key`` to ``""`` (no key)."""
     from urllib.parse import urlsplit
 
-    from ..annotators.openai import API_KEY_ENV
-    from ..serve.embedded import is_loopback
+    from ..annotators.endpoints import API_KEY_ENV
+    from ..net import is_loopback
 
     ann = cfg.annotation
     if not ann.llm_url:
