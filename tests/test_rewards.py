@@ -444,12 +444,12 @@ def test_annotate_pairs_resumes_after_interruption(tmp_path):
         annotate_pairs(first, second, broken, out, chunk_size=5)
     saved = motif_module.load_annotations(out)
     assert (saved["status"] == motif_module.LABELLED).sum() == 10  # two chunks survived
-    assert (saved["status"] == motif_module.AUTO_TIE).sum() == 2
+    assert (saved["status"] == motif_module.TIED).sum() == 2
     resumed = RankAnnotator()
     state = annotate_pairs(first, second, resumed, out, chunk_size=5)
     assert len(resumed.sent) == 22 - 10  # only what was left
     assert resumed.calls == 3
-    assert (state["status"] != motif_module.PENDING).all()
+    assert (state["status"] != motif_module.NOT_ASKED).all()
     np.testing.assert_array_equal(state["preference"], _expected_preferences(first, second))
     assert not any(a == b for a, b in resumed.sent + broken.sent)
     # Nothing left: a further run sends nothing.
@@ -461,12 +461,39 @@ def test_annotate_pairs_resumes_after_interruption(tmp_path):
         annotate_pairs(second, first, RankAnnotator(), out)
 
 
+def test_annotations_of_the_former_numbering_resume_in_the_shared_one(tmp_path):
+    """A file written before Motif shared the store's statuses (0 pending, 1 labelled, 2 failed,
+    3 tied, no ``status_version``) reads in the shared numbering and resumes where it stopped."""
+    from torchrl_oni.store.status import Status
+
+    first, second = collect_pairs(encode_messages(ORDER), 6, seed=0)
+    first = np.concatenate([first, encode_messages(ORDER[:1])])
+    second = np.concatenate([second, encode_messages(ORDER[:1])])
+    out = tmp_path / "old.npz"
+    former = np.array([1, 1, 2, 0, 0, 0, 3], dtype=np.int8)
+    preference = np.array([0.0, 1.0, np.nan, np.nan, np.nan, np.nan, 0.5], dtype=np.float32)
+    np.savez(out, preference=preference, status=former,
+             fingerprint=np.array(motif_module._fingerprint(first, second)))
+    state = motif_module.load_annotations(out)
+    assert state["status"].tolist() == [Status.LABELLED] * 2 + [Status.FAILED] + [Status.UNSEEN] * 3 + [Status.SKIPPED]
+    annotator = RankAnnotator()
+    state = annotate_pairs(first, second, annotator, out, chunk_size=8)
+    assert len(annotator.sent) == 3  # the three never asked; not the failed one, not the tie
+    saved = np.load(out)
+    assert int(saved["status_version"]) == motif_module.STATUS_VERSION
+    assert (saved["status"][:2] == Status.LABELLED).all() and saved["status"][-1] == Status.SKIPPED
+    np.savez(out, preference=preference, status=np.array([9] * 7, dtype=np.int8),
+             fingerprint=np.array("x"))
+    with pytest.raises(motif_module.UnreadableFileError, match="status values out of range"):
+        motif_module.load_annotations(out)
+
+
 def test_annotate_pairs_failures_and_retry(tmp_path):
     first, second = collect_pairs(encode_messages(ORDER), 30, seed=1)
     out = tmp_path / "labels.npz"
     state = annotate_pairs(first, second, RankAnnotator(unparsable={ORDER[0]}), out, chunk_size=8,
                            max_chunks=2)
-    assert (state["status"] == motif_module.PENDING).sum() == 14  # stopped after 2 chunks
+    assert (state["status"] == motif_module.NOT_ASKED).sum() == 14  # stopped after 2 chunks
     state = annotate_pairs(first, second, RankAnnotator(unparsable={ORDER[0]}), out, chunk_size=8)
     failed = state["status"] == motif_module.FAILED
     assert failed.any() and np.isnan(state["preference"][failed]).all()

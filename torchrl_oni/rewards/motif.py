@@ -24,8 +24,11 @@ file read with ``weights_only=True``: none of them can run code when loaded):
 
 * pairs: ``first``, ``second``: ``uint8[N, 256]``.
 * annotations: ``preference`` ``float32[N]`` (P(second better); NaN = not labelled),
-  ``status`` ``int8[N]`` (0 pending, 1 labelled, 2 failed, 3 tied without a call), and
+  ``status`` ``int8[N]`` in the package's one numbering (:mod:`torchrl_oni.store.status`: 0
+  not asked yet, 2 labelled, 3 failed, 5 tied without a call), ``status_version`` (2), and
   ``fingerprint``, a digest of the pairs, so results are never resumed against other pairs.
+  Files without ``status_version`` hold Motif's former numbers (0 pending, 1 labelled, 2 failed,
+  3 tied) and are read as such.
 
 Example:
     >>> import numpy as np
@@ -53,6 +56,7 @@ from torchrl_oni.captions import MESSAGE_LEN, decode_message, hash_messages
 from torchrl_oni.rewards.models import MessageRewardModel, as_message_tensor
 from torchrl_oni.rewards.ranking import UniqueCaptionPairSampler, bradley_terry_loss, pairwise_accuracy
 from torchrl_oni.rewards.scaling import threshold as threshold_values
+from torchrl_oni.store.status import FAILED, LABELLED, SKIPPED, UNSEEN
 
 __all__ = [
     "QUANTILE_LEVELS",
@@ -69,7 +73,11 @@ __all__ = [
 
 QUANTILE_LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05, 0.10, ..., 0.95
 
-PENDING, LABELLED, FAILED, AUTO_TIE = 0, 1, 2, 3
+# a pair's status, in the numbering every labelling queue of the package shares
+NOT_ASKED, LABELLED, FAILED, TIED = UNSEEN, LABELLED, FAILED, SKIPPED  # tied: identical captions, no call
+PENDING, AUTO_TIE = NOT_ASKED, TIED  # Motif's former names, kept for one release
+STATUS_VERSION = 2
+_FORMER_STATUS = np.array([NOT_ASKED, LABELLED, FAILED, TIED], dtype=np.int8)  # files without status_version
 CHECKPOINT_FORMAT = "torchrl_oni.motif_reward.v1"
 
 
@@ -157,9 +165,14 @@ def load_annotations(path) -> dict:
         FileNotFoundError, UnreadableFileError: see :func:`_load_arrays`.
     """
     data = _load_arrays(path, "annotations file", ("preference", "status", "fingerprint"))
+    status = data["status"].astype(np.int8)
+    if "status_version" not in data:  # written before the shared numbering
+        if status.size and (status.min() < 0 or status.max() >= len(_FORMER_STATUS)):
+            raise UnreadableFileError(f"{path} is not an annotations file (status values out of range)")
+        status = _FORMER_STATUS[status]
     return {
         "preference": data["preference"].astype(np.float32),
-        "status": data["status"].astype(np.int8),
+        "status": status,
         "fingerprint": str(data["fingerprint"]),
     }
 
@@ -210,18 +223,18 @@ async def annotate_pairs_async(
         preference, status = state["preference"], state["status"]
     else:
         preference = np.full(n, np.nan, dtype=np.float32)
-        status = np.zeros(n, dtype=np.int8)
+        status = np.full(n, NOT_ASKED, dtype=np.int8)
         # Identical captions are a tie by definition: no call needed.
         identical = (first == second).all(axis=1)
         preference[identical] = 0.5
-        status[identical] = AUTO_TIE
+        status[identical] = TIED
 
     def save():
-        _save_npz_atomic(out_path, preference=preference, status=status,
+        _save_npz_atomic(out_path, preference=preference, status=status, status_version=np.array(STATUS_VERSION),
                          fingerprint=np.array(fingerprint))
 
     save()
-    todo_mask = status == PENDING
+    todo_mask = status == NOT_ASKED
     if retry_failed:
         todo_mask |= status == FAILED
     todo = np.flatnonzero(todo_mask)
@@ -246,7 +259,7 @@ async def annotate_pairs_async(
         save()
         chunks += 1
         if on_chunk is not None:
-            on_chunk(int((status != PENDING).sum()), n)
+            on_chunk(int((status != NOT_ASKED).sum()), n)
     return {"preference": preference, "status": status, "fingerprint": fingerprint}
 
 

@@ -26,10 +26,10 @@ from torchrl_oni.atomic import UnreadableFileError
 from torchrl_oni.captions import MESSAGE_LEN, encode_messages
 from torchrl_oni.cli_errors import OneLineArgumentParser, report
 from torchrl_oni.rewards.motif import (
-    AUTO_TIE,
     FAILED,
     LABELLED,
-    PENDING,
+    NOT_ASKED,
+    TIED,
     _fingerprint,
     _load_arrays,
     _save_npz_atomic,
@@ -172,8 +172,8 @@ def annotate_pairs_main(argv: Optional[Sequence[str]] = None) -> int:
                             "run again to resume") from exc
         status = state["status"]
         print(f"labelled {int((status == LABELLED).sum())}, tied without a call "
-              f"{int((status == AUTO_TIE).sum())}, failed {int((status == FAILED).sum())}, "
-              f"pending {int((status == PENDING).sum())} -> {args.out}")
+              f"{int((status == TIED).sum())}, failed {int((status == FAILED).sum())}, "
+              f"pending {int((status == NOT_ASKED).sum())} -> {args.out}")
 
     return _run_cli("oni-annotate-pairs", _annotate_args, body, argv)
 

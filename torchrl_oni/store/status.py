@@ -1,8 +1,9 @@
 """The statuses of an item in a labelling queue: one numbering for every queue of the package.
 
-:class:`~torchrl_oni.store.CaptionStore`'s captions and pairs, and
-:class:`~torchrl_oni.rewards.ellm.GoalTable`'s states, all keep their status in an ``int8``
-column that is saved to disk, so these numbers are a file format and never change:
+:class:`~torchrl_oni.store.CaptionStore`'s captions and pairs,
+:class:`~torchrl_oni.rewards.ellm.GoalTable`'s states and Motif's pair annotations
+(:func:`~torchrl_oni.rewards.motif.annotate_pairs`) all keep their status in an ``int8`` column
+that is saved to disk, so these numbers are a file format and never change:
 
 ==========  =====  ==================================================================
 status      value  meaning
@@ -15,6 +16,7 @@ FAILED      3      caption store: left by versions that gave items up after serv
                    goal table: given up after ``max_attempts`` unparsable answers
 GIVEN_UP    4      given up after ``max_attempts`` unparsable answers
 SKIPPED     5      the labeller declined the item: a final answer, never asked again
+                   (Motif: a pair of identical captions, tied without asking)
 ==========  =====  ==================================================================
 
 Example:
