@@ -7,20 +7,26 @@ taken in. Here, as in ONI, nothing waits for the model: goals are requested in t
 for new states, cached by state, and a state whose goals have not arrived yet pays 0.
 
 Pieces (all in the trainer process, except :class:`GoalEmbeddingTransform`, which goal-conditioned
-runs put in the env workers):
+runs put in the env workers), one submodule each:
 
 * :class:`~torchrl_oni.envs.state_captions.StateCaptioner`: observation → state caption and its
   blake2b-64 hash (computed once per distinct state key);
-* :class:`GoalTable`: state hash → goals (ids into a goal vocabulary), with a request queue
-  under :class:`~torchrl_oni.store.CaptionStore`'s rule (unseen → pending → done; a server
-  fault sends a state back after a short wait and never gives it up, unparsable answers give it
-  up after ``max_attempts``), saved atomically;
-* :class:`GoalWorker`: a :class:`~torchrl_oni.background.BackgroundLoop` (the caption
-  annotation worker's thread and asyncio loop) that claims new states, awaits
-  ``suggester.suggest(captions)`` (:mod:`torchrl_oni.annotators.goals`) with bounded concurrency,
-  writes goals or failures back, and pre-computes the goals' embeddings;
-* :class:`ELLMReward`: the trainer hook (``on_batch``, ``metrics``, ``state_dict``,
-  ``load_state_dict``, ``close``); :func:`build_ellm_reward` builds it from plain settings.
+* :class:`GoalTable` (:mod:`~torchrl_oni.rewards.ellm.table`): state hash → goals (ids into a goal
+  vocabulary), with a request queue under :class:`~torchrl_oni.store.CaptionStore`'s rule (unseen
+  → pending → done; a server fault sends a state back after a short wait and never gives it up,
+  unparsable answers give it up after ``max_attempts``), saved atomically;
+* :class:`GoalWorker` (:mod:`~torchrl_oni.rewards.ellm.worker`): a
+  :class:`~torchrl_oni.background.BackgroundLoop` (the caption annotation worker's thread and
+  asyncio loop) that claims new states, awaits ``suggester.suggest(captions)``
+  (:mod:`torchrl_oni.annotators.goals`) with bounded concurrency, writes goals or failures back,
+  and pre-computes the goals' embeddings;
+* :mod:`~torchrl_oni.rewards.ellm.matching`: transition captions, their similarity to goals, the
+  threshold's calibration and :func:`pay_once_per_episode` (the rule below);
+* :class:`ELLMReward` (:mod:`~torchrl_oni.rewards.ellm.reward`): the trainer hook (``on_batch``,
+  ``metrics``, ``state_dict``, ``load_state_dict``, ``close``); :func:`build_ellm_reward`
+  (:mod:`~torchrl_oni.rewards.ellm.build`) builds it from plain settings;
+* :class:`SharedGoalEmbeddings` and :class:`GoalEmbeddingTransform`
+  (:mod:`~torchrl_oni.rewards.ellm.conditioning`): goal conditioning at acting time (below).
 
 Keys (batch ``[*B, T]``, time last, e.g. ``[K, T]`` from a collector):
 
@@ -94,22 +100,8 @@ come from different workers). Without them, row ``k`` of the batch is assumed to
 "done")`` starts a new episode. The paid-goal sets are not checkpointed: a resumed run starts
 new games.
 
-**Cost** of :meth:`ELLMReward.on_batch` (state captions included; 2-core VM shared with other
-jobs, random agent on NetHack Score, batches of 32 games × 32 steps, scripted goals, main-thread
-CPU time; :meth:`ELLMReward.metrics` reports the wall time as ``ellm/ms_per_1k_steps``):
-
-==================  ==========================  ==========================================
-encoder             first 10k steps             after 20k–60k steps
-==================  ==========================  ==========================================
-hashed              9 ms per 1k steps           8–11 ms per 1k steps
-MiniLM (CPU)        207 ms per 1k steps         52–67 ms per 1k steps (wall 80–95 ms)
-==================  ==========================  ==========================================
-
-With MiniLM the cost is embedding sentences never seen before (each once per run; 10–15 new
-ones per 1k steps after 50k random steps), so it falls as the run goes on. MiniLM takes 2.9 ms
-per new sentence on one idle CPU core (batches of 64), 1.2 ms with 4 threads, 0.08 ms on an
-H100 (``device="cuda"``, the learner's GPU; same embeddings within 2e-7). Goal requests cost the
-trainer nothing but a wake-up of the worker thread.
+**Cost**: :meth:`ELLMReward.metrics` reports ``ellm/ms_per_1k_steps``; goal requests cost the
+trainer only a wake-up of the worker thread. Measured figures: ``BENCHMARKS.md``, "ELLM costs".
 
 Example:
     >>> import torch
@@ -130,35 +122,10 @@ Example:
 """
 from __future__ import annotations
 
-import asyncio
-import collections
-import logging
-import os
-import re
-import threading
-import time
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
-
-import numpy as np
-import torch
-from tensordict import TensorDictBase
-from torchrl.envs.transforms import Transform
-
-from torchrl_oni.annotators.base import Provenance
-from torchrl_oni.atomic import atomic_write
-from torchrl_oni.background import BackgroundLoop
-from torchrl_oni.captions import (
-    CAPTION_HASH_KEY,
-    GOAL_EMBEDDING_KEY,
-    INTRINSIC_REWARD_KEY,
-    MESSAGE_KEY,
-    MESSAGE_LEN,
-    MSG_COUNT_KEY,
-    decode_message,
-)
-from torchrl_oni.store import FAILED, LABELLED, PENDING, UNSEEN, WorkQueue
-from torchrl_oni.rewards.ellm.matching import (  # noqa: F401
+from torchrl_oni.captions import GOAL_EMBEDDING_KEY
+from torchrl_oni.rewards.ellm.build import build_ellm_reward
+from torchrl_oni.rewards.ellm.conditioning import GoalEmbeddingTransform, SharedGoalEmbeddings
+from torchrl_oni.rewards.ellm.matching import (
     CALIBRATION_PAIRS,
     DEFAULT_THRESHOLDS,
     calibrate_threshold,
@@ -167,11 +134,9 @@ from torchrl_oni.rewards.ellm.matching import (  # noqa: F401
     transition_caption,
     transition_sentences,
 )
-from torchrl_oni.rewards.ellm.table import DONE, GoalTable  # noqa: F401
-from torchrl_oni.rewards.ellm.worker import GoalWorker  # noqa: F401
-from torchrl_oni.rewards.ellm.conditioning import GoalEmbeddingTransform, SharedGoalEmbeddings  # noqa: F401
-from torchrl_oni.rewards.ellm.reward import STATE_HASH_KEY, TRAJ_IDS_KEY, ELLMReward  # noqa: F401
-from torchrl_oni.rewards.ellm.build import build_ellm_reward  # noqa: F401
+from torchrl_oni.rewards.ellm.reward import STATE_HASH_KEY, TRAJ_IDS_KEY, ELLMReward
+from torchrl_oni.rewards.ellm.table import DONE, GoalTable
+from torchrl_oni.rewards.ellm.worker import GoalWorker
 
 __all__ = [
     "GoalTable",
@@ -190,5 +155,4 @@ __all__ = [
     "SharedGoalEmbeddings",
     "GoalEmbeddingTransform",
 ]
-
-log = logging.getLogger(__name__)
+# also importable from here, as before the split (not in __all__): STATE_HASH_KEY, DONE
