@@ -67,7 +67,7 @@ def build_ellm_reward(
 
     Raises:
         ValueError: bad settings, a missing ``url``/``model``, an unusable encoder, or a server
-            that does not answer (:class:`~torchrl_oni.annotators.openai.AnnotatorUnavailable`
+            that does not answer (:class:`~torchrl_oni.annotators.endpoints.AnnotatorUnavailable`
             is a ``RuntimeError``; it is re-raised as ``ValueError`` with its one line).
     """
     from torchrl_oni.annotators.goals import OpenAIGoalSuggester, ScriptedGoalSuggester
