@@ -201,7 +201,7 @@ def test_frames_per_update_must_be_whole_batches():
         TrainConfig(envs_per_worker=32, rollout=32, frames=10**9, frames_per_update=2**40).validate()
     with pytest.raises(ValueError, match="at most --frames"):
         TrainConfig(envs_per_worker=4, rollout=32, frames=1024, frames_per_update=2048).validate()
-    with pytest.raises(ValueError, match="--backend local"):
+    with pytest.raises(ValueError, match="--acting server needs a backend whose workers can reach a policy server"):
         TrainConfig(acting="server", backend="ray").validate()
 
 

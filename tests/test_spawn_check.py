@@ -1,4 +1,5 @@
 """A script without a ``__main__`` guard gets one clear error instead of a hung collector start."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -56,8 +57,12 @@ def test_the_check_reads_the_running_main_script(tmp_path, monkeypatch):
     script = tmp_path / "s.py"
     script.write_text("print(1)\n")
     monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script))
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)  # run as `python s.py`
     with pytest.raises(MainGuardError, match="s.py has no"):
         check_main_guard("spawn")
+    script.write_text("print(1)\n")  # `python -m package` runs package/__main__.py, never re-run by spawn
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", importlib.util.spec_from_file_location("pkg.__main__", script))
+    check_main_guard("spawn")
     check_main_guard("fork")  # fork re-imports nothing
     script.write_text('if __name__ == "__main__":\n    print(1)\n')
     check_main_guard("spawn")

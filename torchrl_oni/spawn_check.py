@@ -59,6 +59,9 @@ def check_main_guard(start_method: Optional[str] = "spawn") -> None:
     if start_method == "fork":
         return
     main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.rpartition(".")[2] == "__main__":
+        return  # `python -m package`: multiprocessing never runs a package's __main__ again
     path = getattr(main, "__file__", None)
     if not path or not path.endswith(".py") or not os.path.isfile(path):
         return
