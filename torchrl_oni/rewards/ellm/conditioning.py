@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from torchrl.envs.transforms import Transform
 
 from torchrl_oni.captions import CAPTION_HASH_KEY, GOAL_EMBEDDING_KEY, MESSAGE_KEY
 
-__all__ = ["GoalEmbeddingTransform", "SharedGoalEmbeddings"]
+__all__ = ["GoalEmbeddingTransform", "SharedGoalEmbeddings", "remove_stale_tables"]
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,61 @@ def _remove_tree(path: str) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+_PREFIX = "oni-goal-embeddings-"
+_OWNER = "owner"  # "PID START": the creating process and its start time (PIDs are reused)
+
+
+def _process_start(pid: int):
+    """The process's start time in clock ticks since boot (``/proc``), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]  # field 22 of stat(5), counted after the name
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return start is None or _process_start(pid) in (None, start)
+
+
+def remove_stale_tables(directory: str) -> int:
+    """Removes the goal tables in ``directory`` left by processes of this user that are gone
+    (``kill -9``, a crash: their finaliser never ran); returns how many. Tables of live processes,
+    of other users and folders without an owner file are left alone."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, _OWNER)) as f:
+                pid, start = f.read().split()
+        except (OSError, ValueError):
+            continue
+        if not _alive(int(pid), None if start == "-" else start):
+            _remove_tree(path)
+            removed += 1
+    if removed:
+        log.info("removed %d goal table(s) of dead processes from %s", removed, directory)
+    return removed
+
+
+def _default_directory() -> str:
+    import tempfile
+
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 class SharedGoalEmbeddings:
@@ -41,12 +97,20 @@ class SharedGoalEmbeddings:
     files when the table is garbage-collected or :meth:`close`\ d (workers keep their mapping).
     Processes on one machine only: Ray actors on other nodes cannot map the files.
 
+    The files are allocated in full when the table is made (``posix_fallocate``): a full
+    ``/dev/shm`` is found then, not as a bus error at the first write beyond its end. Without a
+    ``directory``, a ``/dev/shm`` too small falls back to the temp dir on disk, with a warning.
+    Tables left by dead processes of the same user (``kill -9``) are removed when a new one is
+    made in the same directory.
+
     Args:
         dim: embedding size (384 for both encoders).
         capacity: slots, a power of two; inserts stop (with one warning) at 70 % load. Shared
             memory used: ``capacity · (8 + 2·dim)`` bytes (50 MB for the default 65 536 slots,
             45 875 states); containers often limit ``/dev/shm`` to 64 MB.
         max_probe: longest probe sequence.
+        directory: where the files go (``--ellm-goal-table-dir``); default ``/dev/shm`` (the
+            temp dir where there is none, or where it has no room).
 
     Example:
         >>> table = SharedGoalEmbeddings(dim=4, capacity=16)
@@ -56,7 +120,8 @@ class SharedGoalEmbeddings:
         [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
     """
 
-    def __init__(self, dim: int = 384, capacity: int = 1 << 16, max_probe: int = 64):
+    def __init__(self, dim: int = 384, capacity: int = 1 << 16, max_probe: int = 64,
+                 directory: Optional[str] = None):
         if capacity < 2 or capacity & (capacity - 1):
             raise ValueError(f"capacity must be a power of two, got {capacity}")
         import tempfile
@@ -65,12 +130,51 @@ class SharedGoalEmbeddings:
         self.dim = int(dim)
         self.capacity = int(capacity)
         self.max_probe = int(max_probe)
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.path = tempfile.mkdtemp(prefix="oni-goal-embeddings-", dir=base)
+        chosen = directory or _default_directory()
+        try:
+            self.path = self._allocate(chosen)
+        except OSError as err:
+            fallback = tempfile.gettempdir()
+            if directory is not None or os.path.realpath(fallback) == os.path.realpath(chosen):
+                raise OSError(f"no room for the shared goal table ({self.nbytes / 2**20:.0f} MB) in {chosen}: "
+                              f"{err.strerror or err}; choose another place with --ellm-goal-table-dir") from None
+            log.warning("no room for the shared goal table (%.0f MB) in %s: its files go to %s instead "
+                        "(--ellm-goal-table-dir to choose)", self.nbytes / 2**20, chosen, fallback)
+            self.path = self._allocate(fallback)
         self._map()
         self._full_warned = False
         # only the creating process removes the files (a worker's unpickled copy has no finalizer)
         self._finalizer = weakref.finalize(self, _remove_tree, self.path)
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * (8 + 2 * self.dim) + 8
+
+    def _files(self):
+        return (("keys", self.capacity * 8), ("values", self.capacity * self.dim * 2), ("size", 8))
+
+    def _allocate(self, directory: str) -> str:
+        """A new folder in ``directory`` with the three files at full size (``OSError`` if they
+        do not fit; nothing is left behind then)."""
+        import tempfile
+
+        if not os.path.isdir(directory):
+            raise OSError(f"{directory} is not a directory")
+        remove_stale_tables(directory)
+        path = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=directory)
+        try:
+            with open(os.path.join(path, _OWNER), "w") as f:
+                f.write(f"{os.getpid()} {_process_start(os.getpid()) or '-'}")
+            for name, size in self._files():
+                fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                finally:
+                    os.close(fd)
+        except OSError:
+            _remove_tree(path)
+            raise
+        return path
 
     def _map(self) -> None:
         def mapped(name, n, dtype):

@@ -30,12 +30,17 @@ class ELLMSettings:
     goal_table: Optional[str] = setting(None, "goal table file, loaded if it exists and saved at checkpoints "
                                               "(none: LOGDIR/goals.pt)", metavar="PATH")
     api: Literal["chat", "completions"] = setting("chat", "server endpoint for goal requests")
+    goal_table_dir: Optional[str] = setting(
+        None, "--ellm-goal-conditioned: where the shared goal table's files go (none: /dev/shm, or the temp "
+              "dir when it has no room; 50 MB)", metavar="DIR")
 
 
 def _check(cfg) -> None:
     s = cfg.reward.ellm
     if s.threshold is not None and not -1.0 <= s.threshold <= 1.0:
         raise ValueError("--ellm-threshold is a cosine in [-1, 1]")
+    if s.goal_table_dir is not None and not os.path.isdir(s.goal_table_dir):
+        raise ValueError(f"--ellm-goal-table-dir {s.goal_table_dir}: no such directory")
     if s.goals_per_state < 1:
         raise ValueError("--ellm-goals-per-state must be at least 1")
     if cfg.annotation.annotator not in ("llm", "scripted"):
@@ -47,7 +52,7 @@ def _check(cfg) -> None:
                  help="ELLM: an LLM suggests goals per state; a transition pays when its message matches one")
 def _build(ctx) -> RewardParts:
     s, ann = ctx.settings, ctx.cfg.annotation
-    shared = SharedGoalEmbeddings() if s.goal_conditioned else None
+    shared = SharedGoalEmbeddings(directory=s.goal_table_dir) if s.goal_conditioned else None
     llm = ctx.llm
     ellm = build_ellm_reward(
         annotator_kind=ann.annotator, url=list(llm.urls) if llm else None, model=llm.model if llm else None,
