@@ -38,7 +38,6 @@ when changing ``--goal`` or the annotator.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -51,6 +50,7 @@ from tensordict import TensorDictBase
 
 from ..captions import caption_hash
 from ..run_folder import CAPTION_STORE_NAME
+from .annotator_types import _ask_then_close, _check_llm, get_annotator, start_llm  # noqa: F401
 
 __all__ = ["Labelling", "start_llm", "make_annotator", "check_judge", "CAPTION_STORE_NAME"]
 
@@ -78,85 +78,17 @@ def _annotation_section(cfg):
     return cfg, None
 
 
-def _ask_then_close(annotator, ask):
-    """Runs ``await ask()`` on a fresh event loop and closes the annotator's HTTP sessions after
-    (the annotation worker opens its own on its loop)."""
-
-    async def run():
-        try:
-            return await ask()
-        finally:
-            await annotator.aclose()
-
-    return asyncio.run(run())
-
-
-def _check_llm(annotator) -> None:
-    """Asks the server for its models; raises ``AnnotatorUnavailable`` with one line."""
-    _ask_then_close(annotator, annotator.check)
-
-
-def start_llm(ann):
-    """``(LLMEndpoint, server_handle or None)``: the OpenAI-compatible servers of ``--llm-url``
-    (the model defaults to the only one they list) or the embedded CPU server, started here in a
-    process of its own (see :func:`~torchrl_oni.serve.start_embedded_process`).
-
-    ``ann`` is the ``annotation`` section of the configuration (or, as before, the whole tree)."""
-    from ..annotators import resolve_model
-    from .reward_types import LLMEndpoint
-
-    ann, _ = _annotation_section(ann)
-    if ann.llm_url:
-        urls = tuple(ann.llm_url)
-        model = resolve_model(list(urls), ann.llm_model, api_key=ann.llm_api_key)
-        return LLMEndpoint(urls, model, ann.llm_api_key), None
-    from ..serve import DEFAULT_MODEL, start_embedded_process, start_embedded_server
-
-    name, threads = ann.llm_model or DEFAULT_MODEL, ann.embedded_threads or 1
-    if ann.embedded_server == "process":
-        log.info("starting the embedded LLM %s (a minute or two the first time) ...", name)
-        server = start_embedded_process(name, threads=threads)
-    else:
-        server = start_embedded_server(model=name, threads=threads)
-    return LLMEndpoint((server.url,), server.model), server
-
-
 def make_annotator(ann, *, seed: Optional[int] = None):
     """``(annotator, server_handle or None)`` for the ``annotation`` section ``ann`` (or, as
     before, the whole tree, whose seed is then used), checked to answer.
 
-    Rules (``--annotator scripted``), a simulated noisy teacher (``teacher``), or an LLM
-    (:func:`start_llm`: a pool of ``--llm-url`` servers or the embedded CPU server).
+    Built by the ``--annotator`` entry of the registry (:mod:`torchrl_oni.train.annotator_types`):
+    rules (``scripted``), a simulated noisy teacher (``teacher``), or an LLM (``llm``:
+    :func:`start_llm`, a pool of ``--llm-url`` servers or the embedded CPU server).
     """
-    from ..annotators import OpenAIAnnotator, ScriptedAnnotator
-
     ann, tree_seed = _annotation_section(ann)
     seed = seed if seed is not None else (tree_seed if tree_seed is not None else 0)
-    if ann.annotator == "scripted":
-        return ScriptedAnnotator(goal=ann.goal), None
-    if ann.annotator == "teacher":
-        import math
-
-        from ..annotators import SimulatedTeacher
-
-        beta = math.inf if ann.teacher_beta is None else ann.teacher_beta
-        return SimulatedTeacher(ann.goal, beta=beta, epsilon=ann.teacher_epsilon, seed=seed), None
-    endpoint, server = start_llm(ann)
-    # the embedded server gets ONI's short yes/no prompt scored by logprobs; a URL gets the tagged prompt
-    prompt = ann.llm_prompt if ann.llm_prompt != "auto" else ("short" if server is not None else "tagged")
-    small = prompt == "short"
-    try:
-        annotator = OpenAIAnnotator(
-            list(endpoint.urls), endpoint.model, goal=ann.goal, prompt=prompt, use_logprobs=small,
-            ranking="scores" if small else "direct", batch_size=ann.llm_batch_size,
-            max_concurrency=ann.llm_concurrency, timeout_s=ann.llm_timeout, api_key=ann.llm_api_key,
-        )
-        _check_llm(annotator)
-    except BaseException:
-        if server is not None:
-            server.stop()
-        raise
-    return annotator, server
+    return get_annotator(ann.annotator).build(ann, seed=seed)
 
 
 def check_judge(annotator, goal: str):
@@ -210,16 +142,17 @@ class Labelling:
         """The annotator (first: a dead server fails fast), the judge probe and the caption
         store; or the LLM endpoint of a type that sends requests of its own."""
         cfg = self.cfg
+        entry = get_annotator(cfg.annotation.annotator)
         if self.spec.needs_annotator:
             self.annotator, self.server = make_annotator(cfg.annotation, seed=cfg.seed)
-            if self.spec.labels and cfg.annotation.annotator == "llm":
+            if self.spec.labels and entry.judged:
                 self.judge = check_judge(self.annotator, cfg.annotation.goal)  # before its first real label
                 if self.judge is not None:
                     problem = self.judge.problem()
                     (log.warning if problem else log.info)("%s%s", self.judge.summary(),
                                                            f"\n!! {problem}" if problem else "")
             self._open_store()
-        elif self.spec.llm and cfg.annotation.annotator == "llm":
+        elif self.spec.llm and entry.llm:
             self.llm, self.server = start_llm(cfg.annotation)
 
     def start_worker(self, reward) -> None:
