@@ -18,7 +18,8 @@ the :class:`~torchrl_oni.train.labelling.Labelling` it holds:
 Reward models (all optional):
 
 * ``--rm-ensemble N``, ``--rm-surf-tau``: the reward type builds an ensemble (and SURF);
-* ``--rm-rune-beta B``: RUNE's exploration bonus ``B_t · std_m(prediction_m(caption))``, with
+* ``--rm-rune-beta B`` (the reward type's own batch step, ``RewardParts.after_reward``, see
+  :mod:`~torchrl_oni.train.reward_types._rune`): RUNE's exploration bonus ``B_t · std_m(prediction_m(caption))``, with
   the same per-episode count decay as the intrinsic reward, is **added to**
   ``("next", "intrinsic_reward")`` before the trainer mixes rewards
   (:class:`~torchrl_oni.transforms.CombineRewards`), so PPO optimises
@@ -43,7 +44,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ..atomic import atomic_write
-from ..captions import INTRINSIC_REWARD_KEY, MESSAGE_LEN, decode_message
+from ..captions import MESSAGE_LEN, decode_message
 from ..run_folder import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
 from .config import TrainConfig, resolve_device
 from .labelling import Labelling
@@ -121,11 +122,10 @@ class IntrinsicRewardHook:
         self.run_dir = cfg.log.logdir
         self.labelling = Labelling(cfg, self.spec)
         self.parts = None
-        self.rune = None
+        self.after_reward = None  # the reward type's own batch step (RUNE's bonus), or None
         self.heldout: Dict[str, float] = {}
         self.rm_last: Dict[str, float] = {}
         self._window = _RewardWindow()
-        self._rune_sum, self._rune_steps = 0.0, 0
         self._closed = False
         try:
             device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
@@ -142,12 +142,8 @@ class IntrinsicRewardHook:
                                                        llm=self.labelling.llm, wake_annotator=self.labelling.wake))
             self.reward = self.parts.reward
             self.rm_trainer = self.parts.trainer
+            self.after_reward = self.parts.after_reward
             self.labelling.start_worker(self.reward)
-            if rm.rune_beta > 0:
-                from ..transforms import rune_transform
-
-                self.rune = rune_transform(self.reward, rm.rune_beta, rm.rune_decay, message=cfg.reward.reward_message,
-                                           count_beta=cfg.reward.count_exponent)
             self.labelling.start_page(self.reward)
         except BaseException:
             self.close(save=False)  # a run that never started must not write a store
@@ -156,6 +152,13 @@ class IntrinsicRewardHook:
         self.transform = None if self.reward is None else IntrinsicRewardTransform(
             self.reward, message=cfg.reward.reward_message, beta=cfg.reward.count_exponent,
             normalize=self.parts.normalize, threshold=self.parts.threshold)
+
+    @property
+    def rune(self):
+        """Kept for one release: RUNE's batch step (``.reward.beta``), now the reward type's
+        ``after_reward`` (:mod:`torchrl_oni.train.reward_types._rune`), or None."""
+        step = self.after_reward
+        return step if getattr(step, "name", None) == "rune" else None
 
     def env_transforms(self) -> list:
         """Transforms every env worker applies (observations the policy needs at acting time)."""
@@ -174,19 +177,14 @@ class IntrinsicRewardHook:
         if self.transform is not None:
             batch = self.transform(batch)
             self._window.add(batch, self.transform)
-        if self.rune is not None:
-            # RUNE's bonus joins the intrinsic reward before the trainer mixes the rewards
-            batch = self.rune(batch)
-            bonus = batch.get(("next", self.rune.out_key))
-            key = ("next", INTRINSIC_REWARD_KEY)
-            batch.set(key, batch.get(key) + bonus)
-            self._rune_sum += float(bonus.sum())
-            self._rune_steps += bonus.numel()
+        if self.after_reward is not None:
+            # the type's own step (RUNE's bonus joins the intrinsic reward before the trainer mixes the rewards)
+            batch = self.after_reward(batch)
         return batch
 
     def after_update(self, trainer=None) -> None:
-        if self.rune is not None:
-            self.rune.reward.step()
+        if self.after_reward is not None:
+            self.after_reward.after_update()
         if self.rm_trainer is None:
             return
         result = self.rm_trainer.after_iteration()
@@ -198,11 +196,8 @@ class IntrinsicRewardHook:
     def metrics(self) -> Dict[str, float]:
         out: Dict[str, float] = {}
         self.labelling.metrics(out)
-        if self.rune is not None:
-            out["intrinsic/rune_beta"] = self.rune.reward.beta
-            if self._rune_steps:
-                out["intrinsic/rune_bonus"] = self._rune_sum / self._rune_steps
-            self._rune_sum, self._rune_steps = 0.0, 0
+        if self.after_reward is not None:
+            out.update(self.after_reward.metrics())
         if self.rm_trainer is not None:
             out["reward_model/steps"] = self.rm_trainer.total_steps
             out["reward_model/steps_owed"] = self.rm_trainer.schedule.owed
@@ -261,8 +256,8 @@ class IntrinsicRewardHook:
             objects["rm_schedule"] = self.rm_trainer.schedule
         if self.claim is not None:
             objects["claim"] = self.claim  # the label budget spent
-        if self.rune is not None:
-            objects["rune"] = self.rune.reward  # the bonus's decay
+        if self.after_reward is not None:
+            objects[self.after_reward.name] = self.after_reward  # RUNE: the bonus's decay
         return objects
 
     def state_dict(self) -> dict:
