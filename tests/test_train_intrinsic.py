@@ -11,6 +11,7 @@ import torch
 from helpers import TINY
 from torchrl_oni.store import CaptionStore
 from torchrl_oni.train.cli import main
+from torchrl_oni.train.config import TrainConfig
 from torchrl_oni.train.intrinsic import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
 from torchrl_oni.train.run_log import read_metrics
 
@@ -286,3 +287,33 @@ def test_goal_conditioned_ellm_policy_sees_goals_at_acting_time(tmp_path):
     trainer.train()
     assert len(seen) == 16 and seen[0] == 0.0, seen  # no goals known before the first batch
     assert max(seen[1:]) > 0.2, seen  # later batches: the workers read the trainer's goals
+
+
+@pytest.mark.parametrize("flags,keys", [
+    (dict(intrinsic_reward="retrieval", annotator="scripted", label_budget=1000.0),
+     ["kind", "store_path", "transform", "claim"]),
+    (dict(intrinsic_reward="classification", annotator="scripted", rm_ensemble=2, rm_rune_beta=0.5,
+          query_selection="disagree"),
+     ["kind", "store_path", "transform", "reward", "rm_trainer", "rm_schedule", "claim", "rune"]),
+    (dict(intrinsic_reward="ranking", annotator="scripted", rm_ensemble=2),
+     ["kind", "store_path", "transform", "sampler", "pair_queue", "reward", "rm_trainer", "rm_schedule"]),
+    (dict(intrinsic_reward="bow"), ["kind", "store_path", "transform"]),
+])
+def test_checkpoint_state_keys_stay_and_load_back(tmp_path, flags, keys):
+    """The hook's state_dict keys are part of the checkpoint format: old checkpoints must load."""
+    from torchrl_oni.train.intrinsic import IntrinsicRewardHook
+
+    cfg = TrainConfig(logdir=str(tmp_path), **flags)
+    cfg.validate()
+    hook = IntrinsicRewardHook(cfg)
+    try:
+        state = hook.state_dict()
+        assert list(state) == keys
+    finally:
+        hook.close(save=False)
+    again = IntrinsicRewardHook(cfg)
+    try:
+        again.load_state_dict(state)
+        assert list(again.state_dict()) == keys
+    finally:
+        again.close(save=False)

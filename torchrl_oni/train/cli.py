@@ -183,10 +183,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _check_judge(cfg: TrainConfig) -> int:
     """``oni-train --check-judge``: the calibration probe alone (see torchrl_oni/annotators/probe.py)."""
-    from .intrinsic import check_judge, make_annotator
+    from .labelling import check_judge, make_annotator
 
     try:
-        annotator, server = make_annotator(cfg)
+        annotator, server = make_annotator(cfg.annotation, seed=cfg.seed)
     except (ValueError, RuntimeError, OSError) as err:
         fail(PROG, str(err))
     try:

@@ -54,6 +54,7 @@ from ..config_tree import (
 from ..annotators.prompts import GOALS
 from ..queries import RULES, SCHEDULES
 from ..run_folder import CONFIG_NAME
+from .annotator_types import annotator_names
 from .backends import backend_names, get_backend
 from .policy import ARCHS
 from .reward_types import model_rewards, reward_names, reward_types
@@ -61,8 +62,8 @@ from .reward_types import model_rewards, reward_names, reward_types
 __all__ = ["TrainConfig", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTATORS", "GOALS", "ARCHS",
            "QUERY_RULES", "LABEL_SCHEDULES", "intrinsic_rewards"]
 
-ANNOTATORS = ("llm", "scripted", "teacher")
 # choice lists are declared by the modules that implement them, read here
+ANNOTATORS = annotator_names()  # the annotators registered in train/annotator_types.py
 QUERY_RULES, LABEL_SCHEDULES = RULES, SCHEDULES
 MAX_FRAMES_PER_UPDATE = 2**20  # gathered batches wait in the trainer's memory: ~1.4 GB at this size
 DEFAULT_INTRINSIC_COEFF = 0.4  # ONI's coefficient of the intrinsic reward (oni_spec §5)
@@ -123,9 +124,10 @@ class PPOConfig:
 
 @dataclass
 class AnnotationConfig:
-    annotator: Literal["llm", "scripted", "teacher"] = setting(
+    annotator: str = setting(
         "llm", "who labels captions: llm (an LLM server), scripted (hand-written rules, no LLM) or teacher (the "
-        "rules with B-Pref noise: --teacher-beta, --teacher-epsilon; for label-efficiency experiments)")
+        "rules with B-Pref noise: --teacher-beta, --teacher-epsilon; for label-efficiency experiments)",
+        choices=annotator_names)
     teacher_beta: Optional[float] = setting(None, "--annotator teacher: rationality, answers drawn as "
                                             "sigmoid(beta · (rule score − 0.5)) (none: the rules' answer)")
     teacher_epsilon: float = setting(0.0, "--annotator teacher: probability of flipping an answer (a mistake)")

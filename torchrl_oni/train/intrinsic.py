@@ -1,16 +1,12 @@
 """Builds the trainer hooks that produce ``("next", "intrinsic_reward")`` for ``--intrinsic-reward``.
 
-One :class:`IntrinsicRewardHook` owns the whole intrinsic side of a run, all of it in the
-trainer process (the collector's env workers only play):
+One :class:`IntrinsicRewardHook` owns the reward pipeline of a run, all of it in the trainer
+process (the collector's env workers only play); the labelling side (caption store, annotator or
+LLM server, annotation worker, label budgets, the labelling page, their numbers and alarms) is
+the :class:`~torchrl_oni.train.labelling.Labelling` it holds:
 
-* a :class:`~torchrl_oni.store.CaptionStore`, loaded from ``--caption-store`` (default
-  ``<logdir>/captions.pt``) when the file exists and saved at every checkpoint and at exit, so
-  a label is never paid for twice, across restarts included;
-* an annotator: ``--annotator scripted`` (rules, no LLM), ``--llm-url URL`` (any
-  OpenAI-compatible server, checked once at start) or, with no URL, the embedded CPU server
-  (:func:`~torchrl_oni.serve.start_embedded_server`), stopped at exit;
-* on each collected batch (``on_batch``): the :class:`~torchrl_oni.transforms.LLMAnnotationTransform`
-  (new captions go to the annotator in the background), ranking pairs for ``ranking``, then the
+* on each collected batch (``on_batch``): the labelling's turn (screens, new captions to the
+  annotator in the background), the reward type's own step (ranking pairs), then the
   :class:`~torchrl_oni.transforms.IntrinsicRewardTransform`;
 * after each PPO iteration (``after_update``): reward-model training for types that have a
   trainer, on the trainer's own :class:`~torchrl_oni.rewards.training.RewardModelSchedule`
@@ -19,15 +15,11 @@ trainer process (the collector's env workers only play):
   intrinsic reward and the fraction of steps rewarded; the most rewarded messages of the last
   window go to ``<logdir>/top_messages.txt`` (the CSV holds numbers only).
 
-Label-efficient annotation (all optional, see :mod:`torchrl_oni.queries`):
+Reward models (all optional):
 
-* ``--label-budget N [--label-schedule S]`` and ``--query-selection R``: the annotation worker
-  claims captions through a :class:`~torchrl_oni.queries.SelectiveClaim` (the budget, in labels
-  per million frames, is read at the trainer's frame count; ``disagree``/``entropy`` rank the
-  most-seen unlabelled captions by the reward model's members). Ranking applies both to the
-  pairs it queues (:class:`~torchrl_oni.rewards.ranking.PairQueue`);
 * ``--rm-ensemble N``, ``--rm-surf-tau``: the reward type builds an ensemble (and SURF);
-* ``--rm-rune-beta B``: RUNE's exploration bonus ``B_t · std_m(prediction_m(caption))``, with
+* ``--rm-rune-beta B`` (the reward type's own batch step, ``RewardParts.after_reward``, see
+  :mod:`~torchrl_oni.train.reward_types._rune`): RUNE's exploration bonus ``B_t · std_m(prediction_m(caption))``, with
   the same per-episode count decay as the intrinsic reward, is **added to**
   ``("next", "intrinsic_reward")`` before the trainer mixes rewards
   (:class:`~torchrl_oni.transforms.CombineRewards`), so PPO optimises
@@ -36,30 +28,15 @@ Label-efficient annotation (all optional, see :mod:`torchrl_oni.queries`):
   ``intrinsic/rune_beta``; ``intrinsic/mean`` and ``top_messages.txt`` stay the reward alone)
   and ``B_t = B (1 − --rm-rune-decay)^t`` shrinks after every PPO iteration.
 
-Human feedback (``--human-feedback``): the labelling page of :mod:`torchrl_oni.feedback` runs in
-a thread of its own on the run's live caption store from the start to the end of the run. People's
-labels are kept over the LLM's (:data:`~torchrl_oni.store.HUMAN` precedence) and reach the reward
-from the next batch: retrieval reads the store, reward models train on its labels. The page
-never blocks training; its numbers are logged as ``human/*``. With it, the env workers also
-return the terminal (``NLEBatchEnv(screens=True)``): the screen of each caption new to the store
-is kept (:class:`~torchrl_oni.feedback.screens.ScreenSnapshots`, saved as
-``<store>.screens.pt`` beside the store, where ``oni-label`` finds it) and dropped from the batch
-before PPO.
-
 Reward types come from the registry (:mod:`torchrl_oni.train.reward_types`): each declares
 whether it needs labels or pairs from an annotator, its own settings and how it is built; the
 hook only assembles what the declaration asks for.
-
-A caption store reused from another run keeps that run's labels: use a fresh ``--caption-store``
-when changing ``--goal`` or the annotator.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -67,26 +44,32 @@ import torch
 from tensordict import TensorDictBase
 
 from ..atomic import atomic_write
-from ..captions import INTRINSIC_REWARD_KEY, MESSAGE_LEN, caption_hash, decode_message
+from ..captions import MESSAGE_LEN, decode_message
 from ..run_folder import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
 from .config import TrainConfig, resolve_device
+from .labelling import Labelling
+
+# Kept for one release: the labelling service moved to torchrl_oni.train.labelling; these names
+# are still importable from here (tests, benchmarks and scripts import them from this module).
+from .labelling import (  # noqa: F401
+    ALERT_EVERY_S,
+    COVERAGE_GRACE_S,
+    EMPTY_CAPTION_HASH,
+    FINAL_COVERAGE_WARNING,
+    JUDGE_MIN_LABELS,
+    JUDGE_POSITIVE_ALARM,
+    LOW_COVERAGE,
+    _ask_then_close,
+    _check_llm,
+    check_judge,
+    make_annotator,
+    start_llm,
+)
 
 __all__ = ["build_intrinsic_hooks", "IntrinsicRewardHook", "TOP_MESSAGES_NAME", "CAPTION_STORE_NAME"]
 
 log = logging.getLogger("torchrl_oni.train")
 
-# Warn while fewer than LOW_COVERAGE of the steps have a labelled caption, after the first
-# COVERAGE_GRACE_S (the LLM needs a moment), at most every ALERT_EVERY_S; the final summary
-# warns below FINAL_COVERAGE_WARNING.
-LOW_COVERAGE = 0.05
-# While the run goes on: a judge that has approved at least JUDGE_POSITIVE_ALARM of at least
-# JUDGE_MIN_LABELS captions pays most steps (ONI's LLM approved ~10-20 %; a mis-prompted one 93 %)
-JUDGE_POSITIVE_ALARM = 0.5
-JUDGE_MIN_LABELS = 200
-EMPTY_CAPTION_HASH = caption_hash(b"")
-COVERAGE_GRACE_S = 60.0
-ALERT_EVERY_S = 60.0
-FINAL_COVERAGE_WARNING = 0.5
 # A learned reward (classification, ranking) whose model took fewer steps than this, or still
 # scores at chance on its held-out captions, pays noise: ONI's char-CNN needs ~100 Adam steps to
 # leave chance, and on a CPU learner under --rm-time-fraction a short run may give it 11.
@@ -94,94 +77,10 @@ MIN_REWARD_MODEL_STEPS = 100
 CHANCE_BALANCED_ACCURACY = 0.55
 
 
-def _ask_then_close(annotator, ask):
-    """Runs ``await ask()`` on a fresh event loop and closes the annotator's HTTP sessions after
-    (the annotation worker opens its own on its loop)."""
-
-    async def run():
-        try:
-            return await ask()
-        finally:
-            await annotator.aclose()
-
-    return asyncio.run(run())
-
-
-def _check_llm(annotator) -> None:
-    """Asks the server for its models; raises ``AnnotatorUnavailable`` with one line."""
-    _ask_then_close(annotator, annotator.check)
-
-
-def start_llm(cfg: TrainConfig):
-    """``(LLMEndpoint, server_handle or None)``: the OpenAI-compatible servers of ``--llm-url``
-    (the model defaults to the only one they list) or the embedded CPU server, started here in a
-    process of its own (see :func:`~torchrl_oni.serve.start_embedded_process`)."""
-    from ..annotators import resolve_model
-    from .reward_types import LLMEndpoint
-
-    ann = cfg.annotation
-    if ann.llm_url:
-        urls = tuple(ann.llm_url)
-        model = resolve_model(list(urls), ann.llm_model, api_key=ann.llm_api_key)
-        return LLMEndpoint(urls, model, ann.llm_api_key), None
-    from ..serve import DEFAULT_MODEL, start_embedded_process, start_embedded_server
-
-    name, threads = ann.llm_model or DEFAULT_MODEL, ann.embedded_threads or 1
-    if ann.embedded_server == "process":
-        log.info("starting the embedded LLM %s (a minute or two the first time) ...", name)
-        server = start_embedded_process(name, threads=threads)
-    else:
-        server = start_embedded_server(model=name, threads=threads)
-    return LLMEndpoint((server.url,), server.model), server
-
-
-def make_annotator(cfg: TrainConfig):
-    """``(annotator, server_handle or None)`` for ``cfg.annotation``, checked to answer.
-
-    Rules (``--annotator scripted``), a simulated noisy teacher (``teacher``), or an LLM
-    (:func:`start_llm`: a pool of ``--llm-url`` servers or the embedded CPU server).
-    """
-    from ..annotators import OpenAIAnnotator, ScriptedAnnotator
-
-    ann = cfg.annotation
-    if ann.annotator == "scripted":
-        return ScriptedAnnotator(goal=ann.goal), None
-    if ann.annotator == "teacher":
-        import math
-
-        from ..annotators import SimulatedTeacher
-
-        beta = math.inf if ann.teacher_beta is None else ann.teacher_beta
-        return SimulatedTeacher(ann.goal, beta=beta, epsilon=ann.teacher_epsilon, seed=cfg.seed), None
-    endpoint, server = start_llm(cfg)
-    # the embedded server gets ONI's short yes/no prompt scored by logprobs; a URL gets the tagged prompt
-    prompt = ann.llm_prompt if ann.llm_prompt != "auto" else ("short" if server is not None else "tagged")
-    small = prompt == "short"
-    try:
-        annotator = OpenAIAnnotator(
-            list(endpoint.urls), endpoint.model, goal=ann.goal, prompt=prompt, use_logprobs=small,
-            ranking="scores" if small else "direct", batch_size=ann.llm_batch_size,
-            max_concurrency=ann.llm_concurrency, timeout_s=ann.llm_timeout, api_key=ann.llm_api_key,
-        )
-        _check_llm(annotator)
-    except BaseException:
-        if server is not None:
-            server.stop()
-        raise
-    return annotator, server
-
-
-def check_judge(annotator, goal: str):
-    """Runs the calibration probe (:mod:`torchrl_oni.annotators.probe`) on ``annotator``: the
-    :class:`~torchrl_oni.annotators.probe.JudgeReport`, or ``None`` when the probe could not be
-    asked (a server fault: the annotation worker's own retries deal with those)."""
-    from ..annotators.probe import probe_judge
-
-    try:
-        return _ask_then_close(annotator, lambda: probe_judge(annotator, goal))
-    except Exception as err:  # noqa: BLE001 — the probe must never stop a run
-        log.warning("judge probe not run: %s", str(err).splitlines()[0] if str(err) else type(err).__name__)
-        return None
+def _labelling_attribute(name: str, doc: str) -> property:
+    """The hook's ``name`` read from (and written to) its :class:`Labelling` ``hook.labelling.<name>``."""
+    return property(lambda self: getattr(self.labelling, name),
+                    lambda self, value: setattr(self.labelling, name, value), doc=doc)
 
 
 class IntrinsicRewardHook:
@@ -197,6 +96,18 @@ class IntrinsicRewardHook:
 
     name = "intrinsic"
 
+    # the labelling side, read through the hook as before
+    store = _labelling_attribute("store", "the run's CaptionStore (types labelled by an annotator), or None")
+    store_path = _labelling_attribute("store_path", "where the caption store is saved, or None")
+    server = _labelling_attribute("server", "the embedded LLM server this run started, or None")
+    annotation = _labelling_attribute("annotation", "the LLMAnnotationTransform, or None")
+    claim = _labelling_attribute("claim", "the SelectiveClaim of a label budget or query rule, or None")
+    feedback = _labelling_attribute("feedback", "the labelling page (--human-feedback), or None")
+    snapshots = _labelling_attribute("snapshots", "the screens kept for the labelling page, or None")
+    judge = _labelling_attribute("judge", "the calibration probe's report (LLM judges of captions), or None")
+    _started = _labelling_attribute("started", "monotonic time the run started (alerts' grace)")
+    _last_alert = _labelling_attribute("last_alert", "monotonic time of the last alert")
+
     def __init__(self, cfg: TrainConfig):
         from ..rewards.training import RewardModelSchedule
         from .reward_types import RewardContext, reward_types
@@ -209,40 +120,16 @@ class IntrinsicRewardHook:
         self.kind = cfg.reward.intrinsic_reward
         self.spec = reward_types()[self.kind]
         self.run_dir = cfg.log.logdir
-        self.store = None
-        self.store_path: Optional[str] = None
-        self.server = None
-        self.annotation = None
+        self.labelling = Labelling(cfg, self.spec)
         self.parts = None
-        self.claim = None
-        self.rune = None
-        self.feedback = None
-        self.snapshots = None
-        self._frames = 0
+        self.after_reward = None  # the reward type's own batch step (RUNE's bonus), or None
         self.heldout: Dict[str, float] = {}
         self.rm_last: Dict[str, float] = {}
         self._window = _RewardWindow()
-        self._rune_sum, self._rune_steps = 0.0, 0
         self._closed = False
-        self._started = self._last_alert = time.monotonic()
-        self._final_health: Optional[str] = None
-        self.judge = None  # the calibration probe's report (LLM judges of captions)
-        self._judge_said = False
-        annotator = None
         try:
             device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
-            llm = None
-            if self.spec.needs_annotator:
-                annotator, self.server = make_annotator(cfg)  # first: a dead server fails fast
-                if self.spec.labels and cfg.annotation.annotator == "llm":
-                    self.judge = check_judge(annotator, cfg.annotation.goal)  # before its first real label
-                    if self.judge is not None:
-                        problem = self.judge.problem()
-                        (log.warning if problem else log.info)("%s%s", self.judge.summary(),
-                                                               f"\n!! {problem}" if problem else "")
-                self._open_store()
-            elif self.spec.llm and cfg.annotation.annotator == "llm":
-                llm, self.server = start_llm(cfg)
+            self.labelling.open()  # first: a dead server fails fast
             rm = cfg.reward_model
             fraction = rm.time_fraction
             if fraction is None:
@@ -251,26 +138,13 @@ class IntrinsicRewardHook:
                                            time_fraction=fraction)
             settings = getattr(cfg.reward, self.kind.replace("-", "_"), None) if self.spec.settings else None
             self.parts = self.spec.build(RewardContext(cfg=cfg, settings=settings, store=self.store, device=device,
-                                                       schedule=schedule, annotator=annotator, llm=llm,
-                                                       wake_annotator=self._wake_annotator))
+                                                       schedule=schedule, annotator=self.labelling.annotator,
+                                                       llm=self.labelling.llm, wake_annotator=self.labelling.wake))
             self.reward = self.parts.reward
             self.rm_trainer = self.parts.trainer
-            if self.spec.needs_annotator:
-                from ..annotation import LLMAnnotationTransform
-
-                self.claim = self._make_claim()
-                self.annotation = LLMAnnotationTransform(
-                    self.store, annotator, batch_size=cfg.annotation.llm_batch_size,
-                    max_concurrency=cfg.annotation.llm_concurrency, captions=self.spec.labels,
-                    pairs=self.spec.pairs, close_annotator=True, poll_interval_s=0.5, claim=self.claim,
-                )
-            if rm.rune_beta > 0:
-                from ..transforms import rune_transform
-
-                self.rune = rune_transform(self.reward, rm.rune_beta, rm.rune_decay, message=cfg.reward.reward_message,
-                                           count_beta=cfg.reward.count_exponent)
-            if cfg.feedback.human_feedback:
-                self._start_feedback()
+            self.after_reward = self.parts.after_reward
+            self.labelling.start_worker(self.reward)
+            self.labelling.start_page(self.reward)
         except BaseException:
             self.close(save=False)  # a run that never started must not write a store
             raise
@@ -279,138 +153,38 @@ class IntrinsicRewardHook:
             self.reward, message=cfg.reward.reward_message, beta=cfg.reward.count_exponent,
             normalize=self.parts.normalize, threshold=self.parts.threshold)
 
+    @property
+    def rune(self):
+        """Kept for one release: RUNE's batch step (``.reward.beta``), now the reward type's
+        ``after_reward`` (:mod:`torchrl_oni.train.reward_types._rune`), or None."""
+        step = self.after_reward
+        return step if getattr(step, "name", None) == "rune" else None
+
     def env_transforms(self) -> list:
         """Transforms every env worker applies (observations the policy needs at acting time)."""
         return list(self.parts.env_transforms) if self.parts is not None else []
 
-    # ------------------------------------------------------------------ label efficiency, people
-    def _wake_annotator(self) -> None:
-        if self.annotation is not None:
-            self.annotation.worker.wake()
-
-    def _member_probabilities(self):
-        """``uint8[N,256] -> float[N, M]``: the caption reward model's members' P(helpful), or None."""
-        reward = self.reward
-        if hasattr(reward, "member_probabilities"):  # ClassifierEnsemble
-            return reward.member_probabilities
-        if hasattr(reward, "helpful_probability"):  # one ClassificationReward: a one-member "ensemble"
-            return lambda messages: reward.helpful_probability(messages)[:, None]
-        return None
-
-    def _make_claim(self):
-        """A :class:`~torchrl_oni.queries.SelectiveClaim` when a budget or a rule other than the
-        store's own most-seen order is asked for single captions; else None (``store.claim``)."""
-        from ..queries import LabelBudget, SelectiveClaim
-
-        ann = self.cfg.annotation
-        if not self.spec.labels or (ann.label_budget is None and ann.query_selection == "frequency"):
-            return None
-        budget = None
-        if ann.label_budget is not None:
-            budget = LabelBudget(ann.label_budget, ann.label_schedule, total_frames=self.cfg.frames)
-        member_probs = self._member_probabilities() if ann.query_selection in ("disagree", "entropy") else None
-        if ann.query_selection in ("disagree", "entropy") and member_probs is None:
-            raise ValueError(f"--query-selection {ann.query_selection} needs a reward model of captions "
-                             f"(--intrinsic-reward classification), not {self.kind!r}")
-        # a few requests' worth of candidates: each is scored by every member on every claim
-        pool = max(4 * ann.llm_batch_size, 64)
-        return SelectiveClaim(self.store, ann.query_selection, budget=budget, member_probs=member_probs,
-                              pool_size=pool, seed=self.cfg.seed)
-
-    def _start_feedback(self) -> None:
-        """The labelling page on the live store, and the screens shown beside its captions."""
-        from ..feedback import ScreenSnapshots, serve_feedback
-        from ..feedback.cli import default_screens_path
-
-        fb = self.cfg.feedback
-        path = default_screens_path(Path(self.store_path))
-        self.snapshots = ScreenSnapshots()
-        if path.is_file():
-            try:
-                self.snapshots = ScreenSnapshots.load(path)
-            except ValueError as err:  # screens are a convenience: never a reason not to train
-                log.warning("starting without the saved screens: %s", err)
-        scorer = pair_scorer = None
-        if getattr(self.reward, "members", None) is not None and len(self.reward.members) > 1:
-            # an ensemble: show people first what its members disagree on most
-            scorer = getattr(self.reward, "member_probabilities", None)
-            pair_scorer = getattr(self.reward, "pair_probabilities", None)
-        # prints the address once (with its access token off loopback)
-        self.feedback = serve_feedback(self.store, fb.feedback_host, fb.feedback_port, snapshots=self.snapshots,
-                                       scorer=scorer, pair_scorer=pair_scorer)
-
-    def _offer_screens(self, batch: TensorDictBase) -> TensorDictBase:
-        """Keeps the screens of captions new to the store; drops the screens from the batch."""
-        from ..envs.batched import SCREEN_KEYS
-
-        chars = batch.get("tty_chars", None)
-        if chars is None:
-            return batch
-        if self.snapshots is not None:
-            hashes = batch.get("caption_hash").reshape(-1)
-            unique, first = np.unique(hashes.numpy(), return_index=True)
-            new = self.store.slots(unique).numpy() < 0  # before the annotation transform adds them
-            if new.any():
-                rows = torch.from_numpy(first[new])
-                self.snapshots.offer(unique[new], chars.reshape(-1, *chars.shape[-2:])[rows],
-                                     batch.get("tty_colors").reshape(-1, *chars.shape[-2:])[rows])
-        # 7.7 kB a step that PPO must not carry through its minibatches
-        return batch.exclude(*SCREEN_KEYS, *(("next", k) for k in SCREEN_KEYS))
-
-    # ------------------------------------------------------------------ store
-    def _open_store(self) -> None:
-        from ..store import CaptionStore
-
-        self.store_path = self.cfg.annotation.caption_store or os.path.join(self.run_dir, CAPTION_STORE_NAME)
-        if os.path.exists(self.store_path):
-            self.store = CaptionStore.load(self.store_path)
-            log.info("caption store: %d captions (%d labelled) from %s", len(self.store),
-                     self.store.stats()["labelled"], self.store_path)
-        else:
-            self.store = CaptionStore()
-
     def save_store(self) -> Optional[str]:
-        """Writes the caption store (labels, pairs) to ``--caption-store``, and the screens kept for
-        the labelling page beside it; returns the store's path."""
-        if self.store is None or self.store_path is None:
-            return None
-        self.store.save(self.store_path)
-        if self.snapshots is not None and len(self.snapshots):
-            from ..feedback.cli import default_screens_path
-
-            try:
-                self.snapshots.save(default_screens_path(Path(self.store_path)))
-            except OSError as err:  # the store is what matters; screens are a convenience
-                log.warning("cannot save the screens beside %s: %s", self.store_path, err)
-        return self.store_path
+        """Writes the caption store and the page's screens (see :meth:`Labelling.save_store`)."""
+        return self.labelling.save_store()
 
     # ------------------------------------------------------------------ TrainHook API
     def on_batch(self, batch: TensorDictBase, trainer=None) -> TensorDictBase:
-        self._frames = int(trainer.frames) if trainer is not None else self._frames + batch.numel()
-        if self.claim is not None:
-            self.claim.set_frames(self._frames)
-        batch = self._offer_screens(batch)
-        if self.annotation is not None:
-            batch = self.annotation(batch)
+        batch = self.labelling.on_batch(batch, trainer)
         if self.parts.on_batch is not None:
             out = self.parts.on_batch(batch)
             batch = batch if out is None else out
         if self.transform is not None:
             batch = self.transform(batch)
             self._window.add(batch, self.transform)
-        if self.rune is not None:
-            # RUNE's bonus joins the intrinsic reward before the trainer mixes the rewards
-            batch = self.rune(batch)
-            bonus = batch.get(("next", self.rune.out_key))
-            key = ("next", INTRINSIC_REWARD_KEY)
-            batch.set(key, batch.get(key) + bonus)
-            self._rune_sum += float(bonus.sum())
-            self._rune_steps += bonus.numel()
+        if self.after_reward is not None:
+            # the type's own step (RUNE's bonus joins the intrinsic reward before the trainer mixes the rewards)
+            batch = self.after_reward(batch)
         return batch
 
     def after_update(self, trainer=None) -> None:
-        if self.rune is not None:
-            self.rune.reward.step()
+        if self.after_reward is not None:
+            self.after_reward.after_update()
         if self.rm_trainer is None:
             return
         result = self.rm_trainer.after_iteration()
@@ -421,37 +195,9 @@ class IntrinsicRewardHook:
 
     def metrics(self) -> Dict[str, float]:
         out: Dict[str, float] = {}
-        if self.store is not None:
-            s = self.store.stats()
-            out["labels/captions"] = s["size"]
-            out["labels/labelled"] = s["labelled"]
-            out["labels/failed"] = s["failed"]
-            out["labels/positive_fraction"] = s["positives"] / s["labelled"] if s["labelled"] else 0.0
-            out["labels/seen_coverage"] = s["seen_coverage"]
-            out["labels/skipped"] = s["skipped"]
-            if self.spec.pairs:
-                out["labels/pairs"] = s["pairs"]
-                out["labels/pairs_labelled"] = s["pairs_labelled"]
-                out["labels/pairs_skipped"] = s["pairs_skipped"]
-        if self.annotation is not None:
-            a = self.annotation.metrics()
-            for key in ("labels_per_s", "labels_total", "preferences_total", "pending", "queue_depth",
-                        "coverage", "parse_failures", "skipped", "claim_errors", "server_errors", "latency_s",
-                        "requests_sent", "requests_unsent", "timeouts", "connection_errors",
-                        "caption_server_failures", "requeued_total", "given_up", "timeout_s", "request_batch",
-                        "servers_up"):
-                if key in a:
-                    out[f"annotation/{key}"] = float(a[key])
-        if self.claim is not None:
-            for key, value in self.claim.metrics().items():
-                out[f"annotation/{key}"] = float(value)
-        if self.feedback is not None:
-            self._feedback_metrics(out)
-        if self.rune is not None:
-            out["intrinsic/rune_beta"] = self.rune.reward.beta
-            if self._rune_steps:
-                out["intrinsic/rune_bonus"] = self._rune_sum / self._rune_steps
-            self._rune_sum, self._rune_steps = 0.0, 0
+        self.labelling.metrics(out)
+        if self.after_reward is not None:
+            out.update(self.after_reward.metrics())
         if self.rm_trainer is not None:
             out["reward_model/steps"] = self.rm_trainer.total_steps
             out["reward_model/steps_owed"] = self.rm_trainer.schedule.owed
@@ -461,8 +207,7 @@ class IntrinsicRewardHook:
             for key in ("heldout_accuracy", "heldout_balanced_accuracy"):
                 if key in self.heldout and np.isfinite(self.heldout[key]):
                     out[f"reward_model/{key}"] = float(self.heldout[key])
-        if self.judge is not None:
-            out.update(self.judge.metrics())
+        self.labelling.judge_metrics(out)
         if self.parts.metrics is not None:
             out.update(self.parts.metrics())
         if self.transform is not None:
@@ -471,86 +216,20 @@ class IntrinsicRewardHook:
             self._window.reset()
         return out
 
-    def _feedback_metrics(self, out: Dict[str, float]) -> None:
-        from ..store import HUMAN
-
-        page = self.feedback.metrics()
-        out["human/labels"] = page["human_labels"]  # this run's answers
-        out["human/compared"] = page["human_compared"]
-        if np.isfinite(page["human_agreement"]):  # agreement with the LLM's label, once compared
-            out["human/agreement"] = page["human_agreement"]
-        held = self.store.count_by(HUMAN)  # every person's label in the store, earlier runs included
-        out["human/captions_in_store"] = held["captions"]
-        out["human/pairs_in_store"] = held["pairs"]
-        out["human/page_up"] = float(self.feedback.running)
-
     # ------------------------------------------------------------------ saying it loudly
     def alert(self, metrics: Dict[str, float]) -> Optional[str]:
         """A warning line, at most once a minute, while label coverage stays near zero after
         the first minute (with the cause), else None. The trainer prints it above its progress bar."""
-        if self.annotation is None:
-            return None
-        now = time.monotonic()
-        judge = self._judge_problem(metrics)
-        if judge and (not self._judge_said or now - self._last_alert >= ALERT_EVERY_S):
-            self._judge_said, self._last_alert = True, now
-            return judge
-        coverage = self._coverage(metrics)
-        if now - self._started < COVERAGE_GRACE_S or coverage >= LOW_COVERAGE or now - self._last_alert < ALERT_EVERY_S:
-            return None
-        self._last_alert = now
-        what = "of steps have a labelled caption" if self.spec.labels else "of queued pairs are labelled"
-        return (f"intrinsic reward: only {coverage:.1%} {what} after {now - self._started:.0f} s; "
-                f"annotation: {self.annotation.health()}")
+        return self.labelling.alert(metrics)
 
     def _judge_problem(self, metrics: Dict[str, float]) -> Optional[str]:
         """The probe's verdict, or the positive rate of this run's labels when it pays most steps."""
-        if self.judge is not None and self.judge.problem():
-            return f"judge probe: {self.judge.problem()}"
-        if not self.spec.labels or self.store is None:
-            return None
-        from ..annotators.probe import ADVICE
-
-        labelled, positive = metrics.get("labels/labelled", 0), metrics.get("labels/positive_fraction", 0.0)
-        if labelled >= JUDGE_MIN_LABELS and positive >= JUDGE_POSITIVE_ALARM:
-            return (f"the judge approved {positive:.0%} of the {int(labelled):,} captions it labelled: the intrinsic "
-                    f"reward pays most steps, a survival bonus instead of ONI; {ADVICE}")
-        label, found = self.store.lookup(np.array([EMPTY_CAPTION_HASH], dtype=np.int64))
-        if bool(found[0]) and float(label[0]) > 0.5:  # the commonest caption of all: it would pay most steps
-            return (f"the judge labelled the empty message (no message on screen) as progress, so most steps are "
-                    f"paid; {ADVICE}")
-        return None
-
-    def _coverage(self, metrics: Dict[str, float]) -> float:
-        """Share of steps whose caption is labelled (pairs-only types: share of pairs labelled)."""
-        if self.spec.labels:
-            return metrics.get("labels/seen_coverage", 0.0)
-        pairs = metrics.get("labels/pairs", 0)
-        return metrics.get("labels/pairs_labelled", 0) / pairs if pairs else 0.0
+        return self.labelling.judge_problem(metrics)
 
     def final_warnings(self, metrics: Dict[str, float]) -> List[str]:
         """Lines the run's summary must show when ONI did (almost) nothing: labels that never
         came, or a learned reward whose model never left chance."""
-        lines = self._reward_model_warnings(metrics)
-        if self.annotation is None:
-            return lines
-        judge = self._judge_problem(metrics)
-        if judge:
-            lines = [judge] + lines
-        coverage = self._coverage(metrics)
-        if coverage >= FINAL_COVERAGE_WARNING:
-            return lines
-        if self.spec.labels:
-            done, total, unit = metrics.get("labels/labelled", 0), metrics.get("labels/captions", 0), "captions"
-        else:
-            done, total, unit = metrics.get("labels/pairs_labelled", 0), metrics.get("labels/pairs", 0), "pairs"
-        budget = self.cfg.annotation.label_budget
-        if budget is not None:  # few labels is what was asked for: say so, not "barely ran"
-            return [f"label budget: {int(done):,} of {int(total):,} {unit} labelled ({coverage:.1%}) under "
-                    f"--label-budget {budget:g} per million frames"] + lines
-        health = self._final_health or self.annotation.health(window_s=float("inf"))
-        return [f"ONI barely ran: {int(done):,} of {int(total):,} {unit} labelled ({coverage:.1%}), so the "
-                f"intrinsic reward was mostly 0. Annotation: {health}"] + lines
+        return self.labelling.final_warnings(metrics) + self._reward_model_warnings(metrics)
 
     def _reward_model_warnings(self, metrics: Dict[str, float]) -> List[str]:
         if self.rm_trainer is None or "reward_model/steps" not in metrics:
@@ -567,6 +246,7 @@ class IntrinsicRewardHook:
         return [f"the {self.kind} reward model {what}: its reward is close to noise. Give it time "
                 "(--rm-time-fraction 0.5 or 0, a longer run) or a GPU learner (--device cuda)"]
 
+    # ------------------------------------------------------------------ checkpoints
     def _stateful(self) -> Dict[str, object]:
         objects = dict(self.parts.stateful or {})
         if hasattr(self.reward, "state_dict"):
@@ -576,8 +256,8 @@ class IntrinsicRewardHook:
             objects["rm_schedule"] = self.rm_trainer.schedule
         if self.claim is not None:
             objects["claim"] = self.claim  # the label budget spent
-        if self.rune is not None:
-            objects["rune"] = self.rune.reward  # the bonus's decay
+        if self.after_reward is not None:
+            objects[self.after_reward.name] = self.after_reward  # RUNE: the bonus's decay
         return objects
 
     def state_dict(self) -> dict:
@@ -605,19 +285,14 @@ class IntrinsicRewardHook:
             return
         self._closed = True
         try:
-            if self.feedback is not None:
-                self.feedback.stop()  # first: answers given until now land in the saved store
+            self.labelling.stop_page()  # first: answers given until now land in the saved store
             if self.parts is not None and self.parts.close is not None:
                 self.parts.close()
-            if self.annotation is not None:
-                self._final_health = self.annotation.health(window_s=float("inf"))
-                self.annotation.close()
+            self.labelling.stop_worker()
             if save:
                 self.save_store()
         finally:
-            if self.server is not None:
-                self.server.stop()
-                self.server = None
+            self.labelling.stop_server()
 
 
 class _RewardWindow:

@@ -102,6 +102,10 @@ class RewardParts:
         env_transforms: TorchRL transforms appended to every env worker's env (and the env the
             networks are built from): observations the policy must see at acting time, e.g.
             ELLM's goal embedding. They must be picklable.
+        after_reward: the type's own step after the reward on every batch (RUNE's bonus,
+            :mod:`~torchrl_oni.train.reward_types._rune`): ``after_reward(batch) -> batch``,
+            ``after_update()`` after each PPO iteration, ``metrics() -> dict``, and
+            ``state_dict``/``load_state_dict`` kept in checkpoints under its ``name``.
     """
 
     reward: Optional[Callable] = None
@@ -113,6 +117,7 @@ class RewardParts:
     metrics: Optional[Callable[[], Dict[str, float]]] = None
     close: Optional[Callable[[], None]] = None
     env_transforms: Sequence[Any] = ()
+    after_reward: Any = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from torchrl_oni.config_tree import setting
 from torchrl_oni.rewards.ensemble import EnsembleRankingTrainer, RankingEnsemble
 from torchrl_oni.rewards.ranking import PairQueue, RankingReward, RankingTrainer
 from torchrl_oni.train.reward_types._registry import RewardParts, register_reward
+from torchrl_oni.train.reward_types._rune import rune_step
 
 
 @dataclass
@@ -30,7 +31,7 @@ def _build(ctx) -> RewardParts:
     """One Bradley–Terry model, or with ``--rm-ensemble N`` a
     :class:`~torchrl_oni.rewards.ensemble.RankingEnsemble` (the members' mean raw score);
     pairs queued by :class:`~torchrl_oni.rewards.ranking.PairQueue` under ``--query-selection``
-    and ``--label-budget``."""
+    and ``--label-budget``; RUNE's bonus (``--rm-rune-beta``) as its batch step."""
     settings, store, cfg = ctx.settings, ctx.store, ctx.cfg
     rm, ann = cfg.reward_model, cfg.annotation
     # raw scores here; the transform normalises (frequency-weighted running statistics over every
@@ -55,4 +56,5 @@ def _build(ctx) -> RewardParts:
     normalize = not settings.raw
     return RewardParts(reward, trainer=trainer, on_batch=queue, normalize=normalize,
                        threshold=settings.threshold if normalize else None,
-                       stateful={"sampler": queue.sampler, "pair_queue": queue}, metrics=queue.metrics)
+                       stateful={"sampler": queue.sampler, "pair_queue": queue}, metrics=queue.metrics,
+                       after_reward=rune_step(ctx, reward))
