@@ -32,7 +32,15 @@ BOMB = ("a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",
                   for p, c in zip("abcdefgh", "bcdefghi")))
 """The billion-laughs pattern (9 levels of 9 aliases: 9^9 = 387 million "lol"s, ~370 bytes)."""
 
+BOMB_IN_SETTINGS = ("frames: &a [lol,lol,lol,lol,lol,lol,lol,lol,lol]\n"
+                    + "".join(f"{key}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n"
+                              for p, c, key in zip("abcdefgh", "bcdefghi", ("seed", "lr", "rollout", "workers",
+                                                                           "gamma", "epochs", "minibatch_size",
+                                                                           "max_episode_steps"))))
+"""The same under setting names, so that no 'unknown setting' stops it before the values are checked."""
+
 HOSTILE_YAML = {
+    "alias bomb in settings": BOMB_IN_SETTINGS,
     "python-object tag": "env: !!python/object/apply:os.system ['echo pwned']\n",
     "python-name tag": "env:\n  task: !!python/name:os.system\n",
     "alias bomb": BOMB,
