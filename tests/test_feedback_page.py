@@ -450,3 +450,34 @@ def test_browser_pairs_with_arrow_keys_and_token(browser):
         assert pairs["preference"].tolist() == [1.0] * 4
         assert int(store.stats()["pairs_labelled"]) == 1
         wait_for(lambda: browser.find_element(By.ID, "empty").is_displayed())
+
+
+# ---------------------------------------------------------------------------------------------
+# read timeouts (raw sockets), as oni-serve's: a client that never finishes sending
+# ---------------------------------------------------------------------------------------------
+def test_slow_request_heads_and_bodies_time_out():
+    import socket
+
+    server = FeedbackServer(_store({"You kill the newt!": 2}), port=0, announce=False, read_timeout=0.5).start()
+    try:
+        head = b"GET /api/state HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        stalled = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(6)]
+        for sock in stalled:
+            sock.sendall(head[:20])
+        with urllib.request.urlopen(server.url + "api/state", timeout=5) as reply:  # others are served
+            assert reply.status == 200
+        start = time.monotonic()
+        for sock in stalled:
+            sock.settimeout(5)
+            assert sock.recv(4096) == b""  # closed by the server
+            sock.close()
+        assert time.monotonic() - start < 4.0
+        body = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        body.sendall(b"POST /api/label HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 500\r\n\r\n{\"hash\": ")
+        body.settimeout(5)
+        reply = body.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        body.close()
+    finally:
+        server.stop()

@@ -398,6 +398,27 @@ def to_dict(root) -> Dict[str, Any]:
     return convert(root)
 
 
+def _check_kind(leaf: Leaf, value: Any) -> None:
+    """Raises ``TypeError`` for a value read from a file that cannot be what ``leaf`` holds: a
+    mapping or a list where one value belongs, a non-string where a name belongs. (Values of the
+    right kind but out of range are :func:`check_values`'s.)"""
+    if value is None:
+        return
+    tp, _ = _strip_optional(leaf.type)
+    item = _sequence_item(tp)
+    if item is not None:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        tp = item
+    else:
+        values = [value]
+    for v in values:
+        if isinstance(v, (dict, list, tuple, set)):
+            raise TypeError(f"{leaf.flag}: a {type(v).__name__} where one value belongs")
+        if (tp is str or _literal_args(tp) is not None) and not isinstance(v, str) and (
+                isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise TypeError(f"{leaf.flag} must be a name or text, not {v!r}")
+
+
 def from_dict(cls, data: Dict[str, Any], strict: bool = True):
     """An instance of ``cls`` from a nested dict (as :func:`to_dict` writes) or flat names.
 
@@ -419,6 +440,7 @@ def from_dict(cls, data: Dict[str, Any], strict: bool = True):
                 if strict:
                     raise TypeError(f"unknown setting {'.'.join(path)!r}{_did_you_mean(key, table)}")
                 continue
+            _check_kind(leaf, value)
             if isinstance(value, list):
                 value = tuple(value)
             leaf.set(out, value)
@@ -433,10 +455,47 @@ def dump_yaml(root) -> str:
     return yaml.safe_dump(to_dict(root), sort_keys=False, default_flow_style=False)
 
 
-def load_yaml(cls, text: str, strict: bool = True):
+MAX_YAML_ALIAS_NODES = 10_000
+"""Most values YAML aliases (``*name``) may repeat in a configuration file: a few aliases are
+handy, a chain of them (the "billion laughs" pattern) grows a 400-byte file into hundreds of
+millions of values."""
+
+
+def _yaml_loader():
+    """``yaml.SafeLoader`` (no Python tags) that refuses a file whose aliases repeat more than
+    :data:`MAX_YAML_ALIAS_NODES` values in all."""
     import yaml
 
-    data = yaml.safe_load(text) or {}
+    def size(node, memo) -> int:
+        key = id(node)
+        if key not in memo:
+            memo[key] = 1  # a cycle counts once
+            value = node.value if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)) else ()
+            items = [n for pair in value for n in pair] if isinstance(node, yaml.MappingNode) else value
+            memo[key] = 1 + sum(size(n, memo) for n in items)
+        return memo[key]
+
+    class ConfigLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            alias = self.check_event(yaml.AliasEvent)
+            node = super().compose_node(parent, index)
+            if alias:
+                memo = self.__dict__.setdefault("_sizes", {})
+                self._repeated = getattr(self, "_repeated", 0) + size(node, memo)
+                if self._repeated > MAX_YAML_ALIAS_NODES:
+                    raise ValueError(f"its YAML aliases (*name) repeat more than {MAX_YAML_ALIAS_NODES:,} "
+                                     f"values: not a configuration")
+            return node
+
+    return ConfigLoader
+
+
+def load_yaml(cls, text: str, strict: bool = True):
+    """An instance of ``cls`` from YAML text (safe tags only, at most :data:`MAX_YAML_ALIASES`
+    aliases); ``TypeError``/``ValueError``/``yaml.YAMLError`` on a bad file."""
+    import yaml
+
+    data = yaml.load(text, Loader=_yaml_loader()) or {}  # noqa: S506 - a SafeLoader subclass
     if not isinstance(data, dict):
         raise TypeError("a configuration file holds a mapping of settings")
     return from_dict(cls, data, strict=strict)

@@ -77,8 +77,8 @@ from nle import nethack
 
 from .atomic import atomic_write
 from .captions import decode_message, hash_bytes
-from .cli_errors import OneLineArgumentParser, report
-from .run_folder import CAPTION_STORE_NAME, EVAL_NAME, REPLAY_DIR
+from .cli_errors import OneLineArgumentParser, overwritten_input, report
+from .run_folder import CAPTION_STORE_NAME, CONFIG_NAME, EVAL_NAME, METRICS_NAME, REPLAY_DIR
 from .spawn_check import check_main_guard
 from .stats import mean_ci, t_quantile_975, wilson_interval  # noqa: F401  (t_quantile_975: importable here for one release)
 
@@ -86,6 +86,9 @@ __all__ = ["evaluate", "EvalError", "wilson_interval", "mean_ci", "format_table"
 
 PROG = "oni-eval"
 MAX_GAMES_PER_SHARD = 32
+MAX_EPISODES = 1_000_000  # --episodes: a million games is already days of CPU
+MAX_WORKERS = 1024
+MAX_GAMES_PER_WORKER = 4096  # --envs-per-worker: NetHack games in one process
 TOP_MESSAGES = 20
 APPROVED = 0.5  # a label above this is "approved" (as benchmarks/learning_check.py counts it)
 TTY_KEYS = ("tty_chars", "tty_colors", "tty_cursor")
@@ -502,22 +505,32 @@ def evaluate(
     from .envs.batched import NLEBatchEnv
     from .envs.tasks import resolve_task
 
-    if episodes < 1:
-        raise EvalError(f"--episodes must be at least 1, got {episodes}")
+    if not 1 <= episodes <= MAX_EPISODES:
+        raise EvalError(f"--episodes must be in [1, {MAX_EPISODES:,}], got {episodes}")
+    if not 0 <= seed < 2 ** 63:
+        raise EvalError(f"--seed must be in [0, 2**63), got {seed}")
     if not 0 <= record <= episodes:
         raise EvalError(f"--record must be between 0 and --episodes ({episodes}), got {record}")
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if workers < 1:
-        raise EvalError(f"--workers must be at least 1, got {workers}")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise EvalError(f"--workers must be in [1, {MAX_WORKERS}], got {workers}")
     if envs_per_worker is None:
         envs_per_worker = min(MAX_GAMES_PER_SHARD, -(-episodes // workers))
-    if envs_per_worker < 1:
-        raise EvalError(f"--envs-per-worker must be at least 1, got {envs_per_worker}")
-    if max_episode_steps is not None and max_episode_steps < 1:
-        raise EvalError(f"--max-episode-steps must be at least 1, got {max_episode_steps}")
+    if not 1 <= envs_per_worker <= MAX_GAMES_PER_WORKER:
+        raise EvalError(f"--envs-per-worker must be in [1, {MAX_GAMES_PER_WORKER}], got {envs_per_worker}")
+    if max_episode_steps is not None and not 1 <= max_episode_steps < 2 ** 31:
+        raise EvalError(f"--max-episode-steps must be in [1, 2**31), got {max_episode_steps}")
 
     file, run_dir = _resolve_checkpoint(path)
+    if write:
+        out = Path(output) if output else run_dir / EVAL_NAME
+        inputs = [file] + [run_dir / name for name in (CAPTION_STORE_NAME, METRICS_NAME, CONFIG_NAME)]
+        if caption_store not in (None, "none"):
+            inputs.append(caption_store)
+        if overwritten_input(out, inputs) or out.is_dir():
+            raise EvalError(f"-o {out} is {'a folder' if out.is_dir() else 'one of the inputs'}; "
+                            f"choose another file for eval.json")
     state = _load_state(file)
     settings = _run_settings(state)
     try:

@@ -7,6 +7,8 @@
 * :class:`AppThread` — an aiohttp application served from a daemon thread with its own event
   loop, so that the caller's thread stays free (a trainer, or a test that uses ``asyncio.run``).
   The embedded LLM server, the labelling page and the fake LLM server of the tests run on it.
+* :class:`ConnectionWatch` — closes connections that hold no request in progress for
+  ``read_timeout`` seconds (a request head that never finishes: slowloris; idle keep-alives).
 
 Example:
     >>> import urllib.request
@@ -28,11 +30,12 @@ import ipaddress
 import logging
 import socket
 import threading
+import time
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence
 
 from aiohttp import web
 
-__all__ = ["is_loopback", "check_exposure", "free_port", "AppThread"]
+__all__ = ["is_loopback", "check_exposure", "free_port", "AppThread", "ConnectionWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -226,3 +229,45 @@ class AppThread:
             await asyncio.gather(*jobs, return_exceptions=True)
         finally:
             await runner.cleanup()
+
+
+class ConnectionWatch:
+    """Closes connections that hold no request in progress for ``read_timeout`` seconds.
+
+    That covers a request head that never finishes arriving (slowloris), which no handler sees,
+    and idle keep-alive connections. A server marks each request's connection busy from
+    :meth:`enter` to :meth:`leave` (in a middleware) and runs :meth:`watch` on its loop with its
+    runner's ``server`` (an :class:`AppThread` ``background`` job). Bodies are the handlers'
+    business: read them with ``asyncio.wait_for(request.read(), read_timeout)``.
+    """
+
+    def __init__(self, read_timeout: float) -> None:
+        if not read_timeout > 0:
+            raise ValueError(f"read_timeout must be positive, got {read_timeout}")
+        self.read_timeout = float(read_timeout)
+        self._busy: Dict[Any, int] = {}
+        self._idle_since: Dict[Any, float] = {}
+
+    def enter(self, conn) -> None:
+        self._busy[conn] = self._busy.get(conn, 0) + 1
+
+    def leave(self, conn) -> None:
+        left = self._busy.pop(conn, 1) - 1
+        if left > 0:
+            self._busy[conn] = left
+        self._idle_since[conn] = time.monotonic()
+
+    async def watch(self, server: web.Server) -> None:
+        """Runs until cancelled, checking every ``min(1, read_timeout / 4)`` seconds."""
+        period = min(1.0, self.read_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            connections = server.connections
+            for conn in connections:
+                if self._busy.get(conn):
+                    continue  # a handler runs: its own timeouts govern it
+                if now - self._idle_since.setdefault(conn, now) > self.read_timeout:
+                    conn.force_close()
+            for conn in set(self._idle_since).difference(connections):
+                del self._idle_since[conn]

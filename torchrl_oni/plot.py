@@ -63,7 +63,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from torchrl_oni.cli_errors import OneLineArgumentParser, report
+from torchrl_oni.cli_errors import OneLineArgumentParser, one_line, overwritten_input, report
 from torchrl_oni.run_folder import METRICS_NAME as METRICS_FILE
 from torchrl_oni.stats import t_quantile_975
 
@@ -424,6 +424,23 @@ def make_figure(
     return fig
 
 
+def _check_title(title: Optional[str]) -> None:
+    """Raises :class:`PlotError` if matplotlib cannot draw ``title`` (bad ``$...$`` mathtext),
+    which it would only find when saving the whole figure."""
+    if not title or "$" not in title:
+        return
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    probe = Figure(figsize=(2, 1))
+    probe.suptitle(title)
+    try:
+        FigureCanvasAgg(probe).draw()
+    except ValueError as err:
+        raise PlotError(f"--title {title!r} is not valid matplotlib mathtext (write \\$ for a dollar sign): "
+                        f"{one_line(err)}") from None
+
+
 def plot_runs(
     run_dirs: Sequence[Union[str, os.PathLike]],
     out_path: Union[str, os.PathLike] = "learning_curves.png",
@@ -455,6 +472,7 @@ def plot_runs(
         PlotError: for a missing folder, a folder without ``metrics.csv``, a ``group``
             expression that is invalid or does not match, or nothing to plot.
     """
+    _check_title(title)
     fig = make_figure(run_dirs, x=x, smooth=smooth, labels=labels, title=title, group=group)
     out = Path(out_path)
     if out.parent and not out.parent.exists():
@@ -496,6 +514,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as stop:  # argparse already printed its one line (or --help)
         return int(stop.code or 0)
     try:
+        inputs = [p for run in args.runs for p in (run, os.path.join(run, "metrics.csv"))]
+        if overwritten_input(args.output, inputs):
+            raise PlotError(f"-o {args.output} is one of the runs' files; choose another output")
         group = args.group_by if args.group_by is not None else (True if args.group else None)
         out = plot_runs(args.runs, args.output, x=args.x, smooth=args.smooth, title=args.title, group=group)
     except PlotError as err:

@@ -79,7 +79,7 @@ import numpy as np
 
 from .atomic import atomic_write
 from .captions import MESSAGE_LEN, decode_message
-from .cli_errors import OneLineArgumentParser, report
+from .cli_errors import OneLineArgumentParser, overwritten_input, report
 
 __all__ = [
     "Episode",
@@ -102,6 +102,9 @@ FORMAT = "torchrl_oni.Episode"
 VERSION = 1
 ROWS, COLS = 24, 80
 MAX_GIF_FPS = 50  # GIF delays are in 1/100 s and viewers slow anything under 2/100 s down
+MAX_HTML_FPS = 1000  # the player's own speed control goes from there
+MIN_FONT_SIZE, MAX_FONT_SIZE = 4, 96  # GIF glyphs: 96 px already makes a 4600-pixel-wide screen
+DEFAULT_MAX_MB = 200.0  # --max-mb: largest HTML player or GIF written
 
 # NetHack's 16 colours (CLR_BLACK .. CLR_WHITE); black is drawn dark grey, as NetHack's own tty
 # does with use_darkgray, or dark things would vanish on the black background.
@@ -212,6 +215,9 @@ def load_episode(path: Union[str, os.PathLike]) -> Episode:
         raise ReplayError(f"{path} is not an episode file")
     if meta.get("version") != VERSION:
         raise ReplayError(f"{path}: unsupported episode format version {meta.get('version')}")
+    for key, kind, what in (("stats", dict, "a mapping"), ("action_names", list, "a list")):
+        if key in meta and not isinstance(meta[key], kind):
+            raise ReplayError(f"{path}: damaged metadata ({key!r} is not {what})")
     episode = Episode(**{k: stored[k] for k in ARRAY_FIELDS}, meta=meta)
     try:
         episode.validate()
@@ -269,7 +275,8 @@ def default_title(episode: Episode) -> str:
     parts = [str(meta.get("task", "NetHack"))]
     if "episode" in meta:
         parts.append(f"episode {meta['episode']}")
-    end = meta.get("stats", {}).get("end")
+    stats = meta.get("stats")
+    end = stats.get("end") if isinstance(stats, dict) else None
     if end:
         parts.append(str(end))
     return " · ".join(parts)
@@ -278,16 +285,40 @@ def default_title(episode: Episode) -> str:
 def _summary(episode: Episode) -> dict:
     meta = episode.meta
     out = {k: meta[k] for k in ("task", "episode", "checkpoint", "policy", "intrinsic_reward") if k in meta}
-    for k, v in (meta.get("stats") or {}).items():
+    stats = meta.get("stats")
+    for k, v in (stats if isinstance(stats, dict) else {}).items():
         if isinstance(v, (int, float, str, bool)):
             out[k] = v
     out["frames"] = episode.num_frames
     return out
 
 
-def render_html(episode: Episode, title: Optional[str] = None, fps: int = 10) -> str:
-    """The self-contained HTML player of ``episode`` as a string."""
+def html_size_estimate(episode: Episode) -> int:
+    """Bytes of :func:`render_html`'s page, within a few percent, without building it: the
+    base64 screen changes plus ~60 bytes of per-frame numbers and the distinct messages."""
+    frames = episode.num_frames
+    flat_ch = episode.tty_chars.reshape(frames, -1)
+    flat_co = episode.tty_colors.reshape(frames, -1)
+    changes = int(((flat_ch[1:] != flat_ch[:-1]) | (flat_co[1:] != flat_co[:-1])).sum())
+    raw = 2 * ROWS * COLS + 4 * (frames + 1) + 4 * changes + 2 * frames  # chars0, colors0, offsets, pos+ch+co, cursor
+    messages = sum(len(m) for m in set(bytes(r).split(b"\0", 1)[0] for r in episode.message))
+    return raw * 4 // 3 + 60 * frames + messages + len(_player_template())
+
+
+def render_html(episode: Episode, title: Optional[str] = None, fps: int = 10,
+                max_bytes: Optional[int] = None) -> str:
+    """The self-contained HTML player of ``episode`` as a string.
+
+    Raises:
+        ReplayError: the page would be larger than ``max_bytes`` (checked before it is built).
+    """
     episode.validate()
+    if max_bytes is not None:
+        size = html_size_estimate(episode)
+        if size > max_bytes:
+            raise ReplayError(f"the HTML player of these {episode.num_frames} frames would be about "
+                              f"{size / 2 ** 20:.0f} MB, more than --max-mb {max_bytes / 2 ** 20:g}; raise "
+                              f"--max-mb, or write a --gif of a part (--start/--stop)")
     texts = episode.messages()
     table: Dict[str, int] = {}
     msg_ids = [table.setdefault(t, len(table)) for t in texts]
@@ -296,7 +327,8 @@ def render_html(episode: Episode, title: Optional[str] = None, fps: int = 10) ->
         value = float(episode.label[t])
         if labels[m] is None and math.isfinite(value):
             labels[m] = round(value, 4)
-    names = [str(n) for n in episode.meta.get("action_names", [])]
+    names = episode.meta.get("action_names")
+    names = [str(n) for n in names] if isinstance(names, (list, tuple)) else []
     data = {
         "rows": ROWS,
         "cols": COLS,
@@ -325,9 +357,11 @@ def render_html(episode: Episode, title: Optional[str] = None, fps: int = 10) ->
     return page.replace("__DATA__", _json_for_script(data))
 
 
-def write_html(episode: Episode, path: Union[str, os.PathLike], title: Optional[str] = None, fps: int = 10) -> Path:
-    """Writes the HTML player of ``episode`` to ``path`` (atomically); returns the path."""
-    page = render_html(episode, title=title, fps=fps).encode("utf-8")
+def write_html(episode: Episode, path: Union[str, os.PathLike], title: Optional[str] = None, fps: int = 10,
+               max_bytes: Optional[int] = None) -> Path:
+    """Writes the HTML player of ``episode`` to ``path`` (atomically); returns the path.
+    ``max_bytes``: see :func:`render_html`."""
+    page = render_html(episode, title=title, fps=fps, max_bytes=max_bytes).encode("utf-8")
     return atomic_write(path, lambda f: f.write(page))
 
 
@@ -388,21 +422,28 @@ def write_gif(
     font_size: int = 14,
     start: int = 0,
     stop: Optional[int] = None,
+    max_bytes: Optional[int] = None,
 ) -> Path:
     """Writes frames ``start:stop`` of ``episode`` as an animated GIF; returns the path.
 
     Frames are streamed to the file one at a time, each cropped to what changed since the
     previous one, so a long episode never sits in memory as images. Below the screen a status
     row shows the frame number, the message's label and its intrinsic reward.
+
+    Raises:
+        ReplayError: bad ``fps``/``font_size``/frame range, or the file grew past ``max_bytes``
+            (nothing is left behind then).
     """
     from PIL import GifImagePlugin, Image
 
     episode.validate()
     if not 0 < fps <= MAX_GIF_FPS:
         raise ReplayError(f"--fps must be in (0, {MAX_GIF_FPS}] for a GIF, got {fps}")
+    if not MIN_FONT_SIZE <= font_size <= MAX_FONT_SIZE:
+        raise ReplayError(f"--font-size must be in [{MIN_FONT_SIZE}, {MAX_FONT_SIZE}], got {font_size}")
     frames = range(episode.num_frames)[start:stop]
     if len(frames) == 0:
-        raise ReplayError(f"no frames in {start}:{stop} (the episode has {episode.num_frames})")
+        raise ReplayError(f"--start/--stop: no frames in {start}:{stop} (the episode has {episode.num_frames})")
     masks, _, _ = _glyphs(int(font_size))
     palette = _gif_palette()
     delay = max(20, int(round(1000 / fps / 10)) * 10)  # GIF stores 1/100 s
@@ -418,18 +459,31 @@ def write_gif(
         im.putpalette(palette)
         return im
 
+    written = [0]
+
+    def put(f, chunk: bytes) -> None:
+        written[0] += len(chunk)
+        if max_bytes is not None and written[0] > max_bytes:
+            raise ReplayError(f"the GIF of frames {start}:{stop} grew past --max-mb {max_bytes / 2 ** 20:g} "
+                              f"after {t - frames[0]} of {len(frames)} frames; raise --max-mb, or give "
+                              f"--start/--stop")
+        f.write(chunk)
+
+    t = frames[0]
+
     def write(f):
+        nonlocal t
         previous = pixels(frames[0])
         header, _ = GifImagePlugin.getheader(image(previous), info={"loop": 0, "duration": delay, "optimize": False})
         for chunk in header + GifImagePlugin.getdata(image(previous), offset=(0, 0), duration=delay):
-            f.write(chunk)
+            put(f, chunk)
         for t in frames[1:]:
             current = pixels(t)  # never equal to the previous one: the status row counts frames
             diff = current != previous
             ys, xs = np.flatnonzero(diff.any(1)), np.flatnonzero(diff.any(0))
             block = current[ys[0] : ys[-1] + 1, xs[0] : xs[-1] + 1]
             for chunk in GifImagePlugin.getdata(image(block), offset=(int(xs[0]), int(ys[0])), duration=delay):
-                f.write(chunk)
+                put(f, chunk)
             previous = current
         f.write(b";")  # GIF trailer
 
@@ -447,7 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None, help="page title (default: task, episode and how it ended)")
     p.add_argument("--start", type=int, default=0, help="GIF: first frame (default: 0)")
     p.add_argument("--stop", type=int, default=None, help="GIF: one past the last frame (default: the end)")
-    p.add_argument("--font-size", type=int, default=14, help="GIF: font size in pixels (default: %(default)s)")
+    p.add_argument("--font-size", type=int, default=14,
+                   help=f"GIF: font size in pixels, {MIN_FONT_SIZE} to {MAX_FONT_SIZE} (default: %(default)s)")
+    p.add_argument("--max-mb", type=float, default=DEFAULT_MAX_MB, metavar="MB",
+                   help="refuse to write an HTML player or GIF larger than this (default: %(default)s)")
     return p
 
 
@@ -458,20 +515,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as stop:  # argparse already printed its one line (or --help)
         return int(stop.code or 0)
     try:
-        if not args.fps > 0:
-            raise ReplayError(f"--fps must be positive, got {args.fps}")
-        if args.font_size < 4:
-            raise ReplayError(f"--font-size must be at least 4, got {args.font_size}")
-        episode = load_episode(args.episode)
+        if not 0 < args.fps <= MAX_HTML_FPS:  # also refuses nan
+            raise ReplayError(f"--fps must be in (0, {MAX_HTML_FPS}], got {args.fps}")
+        if not MIN_FONT_SIZE <= args.font_size <= MAX_FONT_SIZE:
+            raise ReplayError(f"--font-size must be in [{MIN_FONT_SIZE}, {MAX_FONT_SIZE}], got {args.font_size}")
+        if args.start < 0 or (args.stop is not None and args.stop < 1):
+            raise ReplayError(f"--start must be >= 0 and --stop >= 1, got {args.start} and {args.stop}")
+        if not (math.isfinite(args.max_mb) and args.max_mb > 0):
+            raise ReplayError(f"--max-mb must be a positive number, got {args.max_mb}")
+        max_bytes = int(min(args.max_mb, 2.0 ** 40) * 2 ** 20)
         html_out = args.output
         if html_out is None and args.gif is None:
             html_out = str(Path(args.episode).with_suffix(".html"))
+        for flag, out in (("-o", html_out), ("--gif", args.gif)):
+            if overwritten_input(out, [args.episode]):
+                raise ReplayError(f"{flag} {out} is the episode file itself; choose another output")
+        if overwritten_input(args.gif, [html_out]):
+            raise ReplayError(f"--gif {args.gif} is also the HTML output (-o); choose two files")
+        episode = load_episode(args.episode)
         written = []
         if html_out is not None:
-            written.append(write_html(episode, html_out, title=args.title, fps=int(round(args.fps))))
+            written.append(write_html(episode, html_out, title=args.title, fps=max(1, int(round(args.fps))),
+                                      max_bytes=max_bytes))
         if args.gif is not None:
             written.append(write_gif(episode, args.gif, fps=args.fps, font_size=args.font_size,
-                                     start=args.start, stop=args.stop))
+                                     start=args.start, stop=args.stop, max_bytes=max_bytes))
     except ReplayError as err:
         return report(PROG, str(err))
     except OSError as err:  # an output folder that cannot be written

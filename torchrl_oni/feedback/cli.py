@@ -62,8 +62,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if not 0 <= args.port < 65536:
         fail(PROG, f"--port must be in [0, 65535], got {args.port}")
-    if args.save_every < 0:
-        fail(PROG, "--save-every must be >= 0")
+    if not 0 <= args.save_every <= 86400:  # also refuses nan
+        fail(PROG, f"--save-every must be in [0, 86400] seconds, got {args.save_every}")
     from torchrl_oni.feedback.screens import ScreenSnapshots
     from torchrl_oni.feedback.server import FeedbackServer
     from torchrl_oni.store import CaptionStore

@@ -42,7 +42,7 @@ from typing import Iterable, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from torchrl_oni.atomic import atomic_write
+from torchrl_oni.atomic import UnreadableFileError, atomic_write, safe_torch_load
 
 __all__ = ["ScreenSnapshots", "ROWS", "COLS"]
 
@@ -169,17 +169,20 @@ class ScreenSnapshots:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no ScreenSnapshots file at {path}")
-        try:
-            data = torch.load(path, weights_only=True)
-        except Exception as err:  # a truncated or foreign file
-            raise ValueError(f"{path} is not a readable ScreenSnapshots file ({type(err).__name__}: {err})") from None
+        data = safe_torch_load(path, what="ScreenSnapshots file")  # one-line UnreadableFileError
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise ValueError(f"{path} is not a ScreenSnapshots file")
+            raise UnreadableFileError(f"{path} is not a ScreenSnapshots file")
         if data.get("version") != _VERSION:
-            raise ValueError(f"{path}: unsupported ScreenSnapshots version {data.get('version')}")
-        snaps = cls(capacity or int(data["capacity"]))
-        hashes = data["hashes"].numpy()
-        chars, colors, pinned = data["chars"].numpy(), data["colors"].numpy(), data["pinned"].numpy()
+            raise UnreadableFileError(f"{path}: unsupported ScreenSnapshots version {data.get('version')}")
+        try:
+            snaps = cls(capacity or int(data["capacity"]))
+            hashes = data["hashes"].numpy().reshape(-1)
+            chars, colors, pinned = data["chars"].numpy(), data["colors"].numpy(), data["pinned"].numpy()
+            n = len(hashes)
+            if chars.shape != (n, ROWS, COLS) or colors.shape != (n, ROWS, COLS) or pinned.shape != (n,):
+                raise ValueError("arrays of other shapes")
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise UnreadableFileError(f"{path} is a damaged ScreenSnapshots file ({err})") from None
         keep = slice(max(len(hashes) - snaps.capacity, 0), None)  # the newest, if capacity shrank
         for h, c, k, p in zip(hashes[keep].tolist(), chars[keep], colors[keep], pinned[keep]):
             snaps._screens[h] = (c.copy(), k.copy())

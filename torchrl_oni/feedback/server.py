@@ -76,7 +76,7 @@ from torchrl_oni.queries import select
 from torchrl_oni.annotators.base import FIRST, SECOND, TIE, Provenance
 from torchrl_oni.captions import decode_message
 from torchrl_oni.feedback.screens import ScreenSnapshots
-from torchrl_oni.net import AppThread, is_loopback
+from torchrl_oni.net import AppThread, ConnectionWatch, is_loopback
 from torchrl_oni.store import HUMAN, LABELLED, CaptionStore
 
 __all__ = ["FeedbackServer", "serve_feedback", "HUMAN", "FEEDBACK_VERSION", "CAPTION_ANSWERS", "PAIR_ANSWERS"]
@@ -88,6 +88,9 @@ CAPTION_ANSWERS = {"progress": 1.0, "not_progress": 0.0, "skip": None}
 PAIR_ANSWERS = {"left": FIRST, "right": SECOND, "equal": TIE, "skip": None}
 TOKEN_HEADER = "X-ONI-Token"
 STATIC_DIR = Path(__file__).with_name("static")
+READ_TIMEOUT = 30.0
+"""Seconds a browser may take to send a request (head and body), as ``oni-serve``'s default;
+idle keep-alive connections are closed after as long."""
 _MAX_LIMIT = 100
 _SERIES_POINTS = 400  # agreement points sent to the page (downsampled beyond)
 _SECURITY_HEADERS = {
@@ -224,6 +227,7 @@ class FeedbackServer:
         labeller: str = "web",
         pool_size: int = 512,
         announce: bool = True,
+        read_timeout: float = READ_TIMEOUT,
     ):
         loopback = is_loopback(host)
         if token is None:
@@ -261,6 +265,8 @@ class FeedbackServer:
         self.save_error: Optional[str] = None
         self.saves = 0
         self._app: Optional[AppThread] = None
+        self.read_timeout = float(read_timeout)
+        self._connections = ConnectionWatch(self.read_timeout)  # slow request heads, idle keep-alives
         self._dirty_event: Optional[asyncio.Event] = None
         self._human_pid: Optional[int] = None
 
@@ -284,8 +290,9 @@ class FeedbackServer:
         if self.running:
             return self
         saver = [lambda runner: self._saver()] if self.save_path is not None else []
+        watch = [lambda runner: self._connections.watch(runner.server)]
         self._app = AppThread(self._app_on_loop, self.host, self.requested_port, name="oni-feedback",
-                              background=saver)
+                              lingering_time=min(10.0, self.read_timeout), background=saver + watch)
         try:
             self._app.start(timeout)
         except TimeoutError:
@@ -374,6 +381,7 @@ class FeedbackServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
         api = request.path.startswith("/api/")
+        self._connections.enter(request.protocol)
         try:
             if not self._host_ok(request.host):
                 raise _BadRequest("unexpected Host header", 403)
@@ -395,6 +403,8 @@ class FeedbackServer:
             if not api:
                 raise
             response = web.json_response({"error": err.reason}, status=err.status)
+        finally:
+            self._connections.leave(request.protocol)
         response.headers.update(_SECURITY_HEADERS)
         return response
 
@@ -408,10 +418,13 @@ class FeedbackServer:
             raise web.HTTPNotFound()
         return web.FileResponse(STATIC_DIR / name, headers={"Content-Type": types[name]})
 
-    @staticmethod
-    async def _body(request: web.Request) -> Dict[str, Any]:
+    async def _body(self, request: web.Request) -> Dict[str, Any]:
         try:
-            body = await request.json()
+            raw = await asyncio.wait_for(request.read(), self.read_timeout)
+        except asyncio.TimeoutError:
+            raise _BadRequest(f"the body did not arrive within {self.read_timeout:g} s", 408) from None
+        try:
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             raise _BadRequest("the body is not valid JSON") from None
         if not isinstance(body, dict):

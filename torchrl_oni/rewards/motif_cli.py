@@ -24,7 +24,7 @@ import numpy as np
 
 from torchrl_oni.atomic import UnreadableFileError
 from torchrl_oni.captions import MESSAGE_LEN, encode_messages
-from torchrl_oni.cli_errors import OneLineArgumentParser, report
+from torchrl_oni.cli_errors import OneLineArgumentParser, overwritten_input, report
 from torchrl_oni.rewards.motif import (
     FAILED,
     LABELLED,
@@ -40,6 +40,21 @@ from torchrl_oni.rewards.motif import (
 )
 
 __all__ = ["collect_pairs_main", "annotate_pairs_main", "train_reward_main", "main"]
+
+MAX_PAIRS = 100_000_000  # --num-pairs: 100 M pairs are 51 GB of captions already
+MAX_SEED = 2 ** 32  # numpy's seeds
+
+
+def _check_outputs(out: str, *inputs: str) -> None:
+    if overwritten_input(out, inputs):
+        raise _CliError(f"--out {out} is one of the input files; choose another file")
+    if Path(out).is_dir():
+        raise _CliError(f"--out {out} is a folder; give a file")
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed < MAX_SEED:
+        raise _CliError(f"--seed must be in [0, 2**32), got {seed}")
 
 
 class _CliError(Exception):
@@ -101,7 +116,10 @@ def _make_annotator(spec: str, kwargs_json: str):
         raise _CliError(f"--annotator-kwargs is not valid JSON: {exc}") from exc
     if not isinstance(kwargs, dict):
         raise _CliError("--annotator-kwargs must be a JSON object")
-    annotator = factory(**kwargs)
+    try:
+        annotator = factory(**kwargs)
+    except TypeError as exc:  # an argument the factory does not take
+        raise _CliError(f"--annotator {spec} with --annotator-kwargs {kwargs_json}: {exc}") from None
     if not callable(getattr(annotator, "compare", None)):
         raise _CliError(f"{spec} did not build an annotator with a compare() method")
     return annotator
@@ -120,8 +138,10 @@ def collect_pairs_main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``oni-collect-pairs``."""
 
     def body(args):
-        if args.num_pairs < 1:
-            raise _CliError("--num-pairs must be at least 1")
+        if not 1 <= args.num_pairs <= MAX_PAIRS:
+            raise _CliError(f"--num-pairs must be in [1, {MAX_PAIRS:,}], got {args.num_pairs}")
+        _check_seed(args.seed)
+        _check_outputs(args.out, args.messages)
         first, second = collect_pairs(_load_messages(args.messages), args.num_pairs,
                                       include_empty=args.include_empty, seed=args.seed)
         _save_npz_atomic(Path(args.out), first=first, second=second)
@@ -148,6 +168,9 @@ def annotate_pairs_main(argv: Optional[Sequence[str]] = None) -> int:
     def body(args):
         if args.chunk_size < 1:
             raise _CliError("--chunk-size must be at least 1")
+        if args.max_chunks is not None and args.max_chunks < 1:
+            raise _CliError(f"--max-chunks must be at least 1, got {args.max_chunks}")
+        _check_outputs(args.out, args.pairs)
         first, second = _load_pairs(args.pairs)
         annotator = _make_annotator(args.annotator, args.annotator_kwargs)
 
@@ -191,12 +214,32 @@ def _train_args(parser):
     parser.add_argument("--device", default="cpu")
 
 
+MAX_EPOCHS, MAX_BATCH = 100_000, 2 ** 24
+
+
+def _check_device(name: str) -> None:
+    import torch
+
+    try:
+        device = torch.device(name)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _CliError(f"--device {name}: {first}") from None
+
+
 def train_reward_main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``oni-train-reward``."""
 
     def body(args):
         if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
             raise _CliError("--epochs and --batch-size must be at least 1 and --lr positive")
+        if args.epochs > MAX_EPOCHS or args.batch_size > MAX_BATCH or not args.lr <= 1.0:
+            raise _CliError(f"--epochs must be at most {MAX_EPOCHS:,}, --batch-size at most {MAX_BATCH:,} and "
+                            f"--lr at most 1, got {args.epochs}, {args.batch_size} and {args.lr}")
+        _check_seed(args.seed)
+        _check_outputs(args.out, args.pairs, args.annotations)
+        _check_device(args.device)
         if not 0 <= args.val_fraction < 1:
             raise _CliError("--val-fraction must be in [0, 1)")
         first, second = _load_pairs(args.pairs)

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve a non-loopback --host without an API key (trusted networks "
                              "only: anyone who reaches the port can use the model)")
-    parser.add_argument("--threads", type=_positive_int, default=None,
+    parser.add_argument("--threads", type=_thread_count, default=None,
                         help="torch threads for the embedded model (default: torch's choice)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="embedded model dtype; auto = bfloat16 where the CPU has native "
@@ -132,6 +132,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _thread_count(text: str) -> int:
+    value = _positive_int(text)
+    if value > 1024:
+        raise argparse.ArgumentTypeError(f"{value} threads: at most 1024")
     return value
 
 

@@ -35,6 +35,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from aiohttp import web
 
+from torchrl_oni.net import ConnectionWatch
 from torchrl_oni.serve.engines import Completion
 
 __all__ = [
@@ -216,8 +217,7 @@ class OpenAIServer:
         self.worker: Optional[asyncio.Task] = None
         self._prompts_per_s: Optional[float] = None  # running estimate, for Retry-After
         # Per connection (aiohttp's RequestHandler): requests in progress, and since when idle.
-        self._busy: Dict[Any, int] = {}
-        self._idle_since: Dict[Any, float] = {}
+        self._connections = ConnectionWatch(self.read_timeout)
         self.stats = {"requests": 0, "prompts": 0, "engine_calls": 0, "cancelled": 0,
                       "aborted_prompts": 0, "busy": 0}
 
@@ -347,27 +347,16 @@ class OpenAIServer:
         """Closes connections that hold no request in progress for ``read_timeout`` seconds.
 
         That covers a request head that never finishes arriving (slowloris), which no handler
-        sees, and idle keep-alive connections. Runs until cancelled;
-        :class:`~torchrl_oni.serve.embedded.ServerHandle` starts it with its runner's ``server``.
+        sees, and idle keep-alive connections (:class:`~torchrl_oni.net.ConnectionWatch`). Runs
+        until cancelled; :class:`~torchrl_oni.serve.embedded.ServerHandle` starts it with its
+        runner's ``server``.
         """
-        period = min(1.0, self.read_timeout / 4)
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            connections = server.connections
-            for conn in connections:
-                if self._busy.get(conn):
-                    continue  # a handler runs: the body timeout and the engine govern it
-                if now - self._idle_since.setdefault(conn, now) > self.read_timeout:
-                    conn.force_close()
-            gone = set(self._idle_since).difference(connections)
-            for conn in gone:
-                del self._idle_since[conn]
+        await self._connections.watch(server)
 
     # -- handlers ----------------------------------------------------------------------------
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
         conn = request.protocol
-        self._busy[conn] = self._busy.get(conn, 0) + 1
+        self._connections.enter(conn)
         try:
             self._authorize(request)
             size = request.content_length
@@ -381,10 +370,7 @@ class OpenAIServer:
         except Exception as err:  # an engine failure: a JSON 500, the server keeps running
             return _error(500, f"{type(err).__name__}: {err}")
         finally:
-            left = self._busy.pop(conn, 1) - 1
-            if left > 0:
-                self._busy[conn] = left
-            self._idle_since[conn] = time.monotonic()
+            self._connections.leave(conn)
 
     def _authorize(self, request: web.Request) -> None:
         if self._key is None or request.path == "/health":
