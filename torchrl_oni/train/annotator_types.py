@@ -39,7 +39,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Tuple
+
+from ..registry import Registry
 
 __all__ = ["AnnotatorType", "register_annotator", "get_annotator", "annotator_names", "start_llm"]
 
@@ -55,28 +57,21 @@ class AnnotatorType:
     judged: bool = False
 
 
-_ANNOTATORS: Dict[str, AnnotatorType] = {}
+_REGISTRY: Registry[AnnotatorType] = Registry("--annotator")
+_ANNOTATORS = _REGISTRY.entries  # name -> entry (tests add one with monkeypatch.setitem)
 
 
 def register_annotator(entry: AnnotatorType, *, replace: bool = False) -> AnnotatorType:
     """Adds ``entry`` under its name (``replace=True`` to override an existing one)."""
-    if entry.name in _ANNOTATORS and not replace:
-        raise ValueError(f"annotator {entry.name!r} is already registered")
-    _ANNOTATORS[entry.name] = entry
-    return entry
+    return _REGISTRY.register(entry, replace=replace)
 
 
 def annotator_names() -> Tuple[str, ...]:
-    return tuple(_ANNOTATORS)
+    return _REGISTRY.names()
 
 
 def get_annotator(name: str) -> AnnotatorType:
-    try:
-        return _ANNOTATORS[name]
-    except KeyError:
-        names = list(_ANNOTATORS)
-        either = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
-        raise ValueError(f"unknown --annotator {name!r} ({either})") from None
+    return _REGISTRY.get(name)
 
 
 # ---------------------------------------------------------------------- LLM servers

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Tuple
+
+from ..registry import Registry
 
 __all__ = ["Backend", "register_backend", "get_backend", "backend_names", "check_backend_settings"]
 
@@ -57,26 +59,21 @@ class Backend:
     restart_workers: bool = False
 
 
-_BACKENDS: Dict[str, Backend] = {}
+_REGISTRY: Registry[Backend] = Registry("--backend")
+_BACKENDS = _REGISTRY.entries  # name -> entry (tests add one with monkeypatch.setitem)
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     """Adds ``backend`` under its name (``replace=True`` to override an existing one)."""
-    if backend.name in _BACKENDS and not replace:
-        raise ValueError(f"backend {backend.name!r} is already registered")
-    _BACKENDS[backend.name] = backend
-    return backend
+    return _REGISTRY.register(backend, replace=replace)
 
 
 def backend_names() -> Tuple[str, ...]:
-    return tuple(_BACKENDS)
+    return _REGISTRY.names()
 
 
 def get_backend(name: str) -> Backend:
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown --backend {name!r} ({' or '.join(_BACKENDS)})") from None
+    return _REGISTRY.get(name)
 
 
 # ---------------------------------------------------------------------- the built-in backends
