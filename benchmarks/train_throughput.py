@@ -89,7 +89,10 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         frames_per_update=None, acting: str = "workers", minibatch_size=None) -> dict:
     import torch
     from torchrl_oni.train import TrainConfig, Trainer
-    from torchrl_oni.train.run_log import read_metrics
+    try:
+        from torchrl_oni.train.run_log import read_metrics
+    except ImportError:  # code from before the module's rename (--baseline-code)
+        from torchrl_oni.train.logging import read_metrics
 
     logdir = tempfile.mkdtemp(prefix="oni-bench-")
     extra = {}
