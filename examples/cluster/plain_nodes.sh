@@ -8,11 +8,16 @@ set -euo pipefail
 HEAD=learner-node        # the Ray head: the learner runs here
 LLM=gpu-node-1           # one vLLM server (several: see the LLM pool docs)
 MODEL=meta-llama/Llama-3.1-8B-Instruct
-export ONI_SERVE_API_KEY=change-me   # the same key on the server (oni-serve) ...
-export OPENAI_API_KEY=$ONI_SERVE_API_KEY   # ... and on the learner (oni-train's client)
-# Ray's own access token: the same two variables on every node and for oni-train (Ray >= 2.52;
-# `ray get-auth-token --generate` makes one). Anyone who reaches the head's port runs code otherwise.
-export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=change-me-too
+# Secrets come from the environment, never from this file (a placeholder that works is a key
+# everyone knows). Make each once and give the same value to every node, e.g.
+#   export ONI_SERVE_API_KEY=$(python -c "import secrets; print(secrets.token_urlsafe(32))")
+#   export RAY_AUTH_TOKEN=$(python -c "import secrets; print(secrets.token_urlsafe(32))")   # Ray >= 2.52
+: "${ONI_SERVE_API_KEY:?set ONI_SERVE_API_KEY to a secret shared by the LLM server and the learner (see above)}"
+: "${RAY_AUTH_TOKEN:?set RAY_AUTH_TOKEN to a secret shared by every Ray node (see above)}"
+export OPENAI_API_KEY=$ONI_SERVE_API_KEY   # the learner's client sends the server's key
+# Ray's own access token on every node and for oni-train: anyone who reaches the head's port runs
+# code otherwise.
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN
 
 case "${1:-}" in
 llm)  # on $LLM: an OpenAI-compatible server; prints http://$LLM:8000/v1 once it answers
