@@ -1,7 +1,8 @@
 """torchrl_oni: ONI (online intrinsic rewards from LLM feedback) for TorchRL on NetHack.
 
 The public names load lazily, so ``import torchrl_oni`` stays cheap (no NLE, no torchrl import
-until a name is used).
+until a name is used). It tells gymnasium the task ids, so ``gymnasium.make("NetHackScore-v1")``
+(or any id of :data:`torchrl_oni.task_ids.TASKS`) works after it.
 
 Example:
     >>> import torchrl_oni
@@ -42,3 +43,13 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(list(globals()) + __all__)
+
+
+def _register_task_ids() -> None:
+    from .task_ids import register_with_gymnasium
+
+    register_with_gymnasium()
+
+
+_register_task_ids()
+
