@@ -590,3 +590,26 @@ def test_sample_unlabelled_draws_distinct_unlabelled_captions():
     assert {int(h) for h in hash_messages(everything.numpy())} == unlabelled  # k <= n: all 15
     store.set_labels(hashes, 0.0, PROV)
     assert store.sample_unlabelled(5).shape == (0, MESSAGE_LEN)
+
+
+def test_a_new_store_says_nothing_at_info():
+    """TorchRL announces every storage it initialises at INFO; a store is ours to allocate, so a
+    user's log stays quiet (issue: every CaptionStore() printed two lines)."""
+    import logging
+
+    seen = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    grab = Grab(level=logging.DEBUG)
+    torchrl_log = logging.getLogger("torchrl")
+    level = torchrl_log.level
+    torchrl_log.addHandler(grab)
+    try:
+        CaptionStore()
+    finally:
+        torchrl_log.removeHandler(grab)
+    assert [m for m in seen if "Initialized" in m] == []
+    assert torchrl_log.level == level  # TorchRL's own setting is put back

@@ -12,6 +12,7 @@ The columns themselves (names, dtypes, shapes) are declared by their owners:
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Dict, Optional, Sequence, Tuple, Union
@@ -132,8 +133,15 @@ class _Table:
             storage = LazyTensorStorage(capacity)
         rb = TensorDictReplayBuffer(storage=storage, batch_size=1)
         # One write allocates every column at full capacity; empty() keeps the allocation, so
-        # the numpy views below stay valid for the life of this buffer.
-        rb.extend(self._row_template(1))
+        # the numpy views below stay valid for the life of this buffer. TorchRL says so at INFO
+        # on every store (and every growth); that is our detail, not the user's news.
+        torchrl_log = logging.getLogger("torchrl")
+        level = torchrl_log.level
+        torchrl_log.setLevel(max(level, logging.WARNING))
+        try:
+            rb.extend(self._row_template(1))
+        finally:
+            torchrl_log.setLevel(level)
         rb.empty()
         self.rb = rb
         self.capacity = capacity
