@@ -199,6 +199,11 @@ def test_combine_rewards_in_a_transformed_env_mixes_with_clip():
     expected = 0.1 * ext.clamp(-1.0, 1.0) + 0.5 * td["next", "intrinsic_reward"]
     assert torch.allclose(td["next", "reward"], expected)
     assert (td["next", "intrinsic_reward"] > 0).all()
+    # applied again to the collected data (a batch transform after the env's): the same mix,
+    # not a mix of the mix (it overwrote extrinsic_reward with the mixed reward: 0.54 for 1.40)
+    again = CombineRewards(0.1, 0.5, extrinsic_clip=1.0)(td.clone())
+    assert torch.equal(again["next", "reward"], td["next", "reward"])
+    assert torch.equal(again["next", "extrinsic_reward"], ext)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])

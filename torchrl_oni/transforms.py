@@ -300,7 +300,11 @@ class CombineRewards(Transform):
     def mix(self, next_td: TensorDictBase) -> TensorDictBase:
         from torchrl_oni.rewards.scaling import reward_streams
 
-        ext = next_td.get("reward")
+        # a second application mixes from the env's reward it kept, not from its own mix: applying
+        # CombineRewards twice (a Compose and a batch transform, say) gives the same reward
+        ext = next_td.get("extrinsic_reward", None)
+        if ext is None:
+            ext = next_td.get("reward")
         intrinsic = next_td.get(self.intrinsic_key, None)
         if intrinsic is None or self.intrinsic_coeff == 0.0:
             intrinsic = torch.zeros_like(ext)
