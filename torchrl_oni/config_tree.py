@@ -491,8 +491,8 @@ def _yaml_loader():
 
 
 def load_yaml(cls, text: str, strict: bool = True):
-    """An instance of ``cls`` from YAML text (safe tags only, at most :data:`MAX_YAML_ALIASES`
-    aliases); ``TypeError``/``ValueError``/``yaml.YAMLError`` on a bad file."""
+    """An instance of ``cls`` from YAML text (safe tags only; aliases may repeat at most
+    :data:`MAX_YAML_ALIAS_NODES` values); ``TypeError``/``ValueError``/``yaml.YAMLError`` on a bad file."""
     import yaml
 
     data = yaml.load(text, Loader=_yaml_loader()) or {}  # noqa: S506 - a SafeLoader subclass

@@ -415,6 +415,11 @@ def _gif_frame(chars: np.ndarray, colors: np.ndarray, masks: np.ndarray) -> np.n
     return pixels.transpose(0, 2, 1, 3).reshape(rows * h, cols * w)
 
 
+def _check_font_size(font_size) -> None:
+    if not MIN_FONT_SIZE <= font_size <= MAX_FONT_SIZE:
+        raise ReplayError(f"--font-size must be in [{MIN_FONT_SIZE}, {MAX_FONT_SIZE}], got {font_size}")
+
+
 def write_gif(
     episode: Episode,
     path: Union[str, os.PathLike],
@@ -439,8 +444,7 @@ def write_gif(
     episode.validate()
     if not 0 < fps <= MAX_GIF_FPS:
         raise ReplayError(f"--fps must be in (0, {MAX_GIF_FPS}] for a GIF, got {fps}")
-    if not MIN_FONT_SIZE <= font_size <= MAX_FONT_SIZE:
-        raise ReplayError(f"--font-size must be in [{MIN_FONT_SIZE}, {MAX_FONT_SIZE}], got {font_size}")
+    _check_font_size(font_size)
     frames = range(episode.num_frames)[start:stop]
     if len(frames) == 0:
         raise ReplayError(f"--start/--stop: no frames in {start}:{stop} (the episode has {episode.num_frames})")
@@ -517,8 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if not 0 < args.fps <= MAX_HTML_FPS:  # also refuses nan
             raise ReplayError(f"--fps must be in (0, {MAX_HTML_FPS}], got {args.fps}")
-        if not MIN_FONT_SIZE <= args.font_size <= MAX_FONT_SIZE:
-            raise ReplayError(f"--font-size must be in [{MIN_FONT_SIZE}, {MAX_FONT_SIZE}], got {args.font_size}")
+        _check_font_size(args.font_size)  # before any output: -o is written before --gif
         if args.start < 0 or (args.stop is not None and args.stop < 1):
             raise ReplayError(f"--start must be >= 0 and --stop >= 1, got {args.start} and {args.stop}")
         if not (math.isfinite(args.max_mb) and args.max_mb > 0):

@@ -74,7 +74,7 @@ __all__ = [
 QUANTILE_LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05, 0.10, ..., 0.95
 
 # a pair's status, in the numbering every labelling queue of the package shares
-NOT_ASKED, LABELLED, FAILED, TIED = UNSEEN, LABELLED, FAILED, SKIPPED  # tied: identical captions, no call
+NOT_ASKED, TIED = UNSEEN, SKIPPED  # tied: identical captions, no call (LABELLED, FAILED as they are)
 PENDING, AUTO_TIE = NOT_ASKED, TIED  # Motif's former names, kept for one release
 STATUS_VERSION = 2
 _FORMER_STATUS = np.array([NOT_ASKED, LABELLED, FAILED, TIED], dtype=np.int8)  # files without status_version

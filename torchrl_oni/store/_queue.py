@@ -106,7 +106,6 @@ def is_skip(error_kind: str) -> bool:
     return error_kind == SKIP_ERROR
 
 
-
 class QueueRules(Protocol):
     """What a :class:`WorkQueue` reads from its owner at each failure (so later changes count)."""
 

@@ -121,12 +121,12 @@ def _guard_api_key(cfg: TrainConfig, from_command_line: bool) -> List[str]:
 
 def _check_startable(cfg: TrainConfig) -> None:
     """Everything that can be checked before any process starts; raises ValueError."""
-    from .distributed import check_backend
     from ..run_folder import CHECKPOINT_NAME
+    from .backends import check_backend_settings
     from .config import resolve_device
 
     cfg.validate()
-    check_backend(cfg.distributed.backend, cfg.distributed.ray_address)
+    check_backend_settings(cfg.distributed)
     resume = cfg.log.resume
     if resume == "auto" and not os.path.exists(os.path.join(cfg.log.logdir, CHECKPOINT_NAME)):
         raise ValueError(f"--resume: no checkpoint in {cfg.log.logdir} (pass --logdir of the run to continue)")

@@ -70,14 +70,6 @@ ALERT_EVERY_S = 60.0
 FINAL_COVERAGE_WARNING = 0.5
 
 
-def _annotation_section(cfg):
-    """``cfg.annotation`` of a whole :class:`~torchrl_oni.train.config.TrainConfig`, or the section
-    itself; and the seed (the tree's, else 0)."""
-    if hasattr(cfg, "annotation"):  # the whole tree: the call form kept for one release
-        return cfg.annotation, cfg.seed
-    return cfg, None
-
-
 def make_annotator(ann, *, seed: Optional[int] = None):
     """``(annotator, server_handle or None)`` for the ``annotation`` section ``ann`` (or, as
     before, the whole tree, whose seed is then used), checked to answer.
@@ -86,8 +78,9 @@ def make_annotator(ann, *, seed: Optional[int] = None):
     rules (``scripted``), a simulated noisy teacher (``teacher``), or an LLM (``llm``:
     :func:`start_llm`, a pool of ``--llm-url`` servers or the embedded CPU server).
     """
-    ann, tree_seed = _annotation_section(ann)
-    seed = seed if seed is not None else (tree_seed if tree_seed is not None else 0)
+    if seed is None:
+        seed = getattr(ann, "seed", 0)  # the whole tree (the call form kept for one release) has the run's
+    ann = getattr(ann, "annotation", ann)
     return get_annotator(ann.annotator).build(ann, seed=seed)
 
 
