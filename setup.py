@@ -59,9 +59,9 @@ setup(
             "oni-eval=torchrl_oni.evaluate:main",
             "oni-replay=torchrl_oni.replay:main",
             "oni-label=torchrl_oni.feedback.cli:main",
-            "oni-collect-pairs=torchrl_oni.rewards.motif_cli:collect_pairs_main",
-            "oni-annotate-pairs=torchrl_oni.rewards.motif_cli:annotate_pairs_main",
-            "oni-train-reward=torchrl_oni.rewards.motif_cli:train_reward_main",
+            "oni-collect-pairs=torchrl_oni.train.motif_cli:collect_pairs_main",
+            "oni-annotate-pairs=torchrl_oni.train.motif_cli:annotate_pairs_main",
+            "oni-train-reward=torchrl_oni.train.motif_cli:train_reward_main",
         ]
     },
 )

@@ -156,9 +156,9 @@ FORMATS = ["captions.pt", "screens.pt", "goals.pt", "checkpoint.pt", "metrics.cs
 def _mains():
     from torchrl_oni import evaluate, plot, replay
     from torchrl_oni.feedback import cli as label_cli
-    from torchrl_oni.rewards import motif_cli
     from torchrl_oni.serve import cli as serve_cli
     from torchrl_oni.train import cli as train_cli
+    from torchrl_oni.train import motif_cli
 
     return {
         "oni-train": train_cli.main, "oni-serve": serve_cli.main, "oni-plot": plot.main, "oni-eval": evaluate.main,
@@ -169,7 +169,9 @@ def _mains():
 
 # A case: (command, argv template, expected substring or None). Templates name files as {key}
 # (a valid sample: {captions.pt}, a damaged one: {bad}, the work folder: {tmp}, a run folder: {run}).
-ANN = "torchrl_oni.annotators.scripted:ScriptedAnnotator"
+ANN = "scripted"
+LEGACY_ANN = "torchrl_oni.annotators.scripted:ScriptedAnnotator"
+"""``oni-annotate-pairs --annotator``: a registered name, and the former package.module:Factory form."""
 
 
 def _damaged_file_cases():
@@ -182,8 +184,12 @@ def _damaged_file_cases():
         "oni-replay": [["{bad}", "-o", "{tmp}/out.html"]],
         "oni-plot": [["{badrun}", "-o", "{tmp}/out.png"]],
         "oni-train": [["--config", "{bad}"]],
-        "oni-collect-pairs": [["{bad}", "--out", "{tmp}/p.npz", "--num-pairs", "2"]],
-        "oni-annotate-pairs": [["{bad}", "--out", "{tmp}/a.npz", "--annotator", ANN]],
+        "oni-collect-pairs": [["{bad}", "--out", "{tmp}/p.npz", "--num-pairs", "2"],
+                              (["{bad}", "--out", "{tmp}/p.npz", "--num-pairs", "2"], ".pt"),
+                              ["{badstorerun}", "--out", "{tmp}/p.npz", "--num-pairs", "2"]],
+        "oni-annotate-pairs": [["{bad}", "--out", "{tmp}/a.npz", "--annotator", ANN],
+                               ["{bad}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN],
+                               ["{pairs.npz}", "--out", "{bad}", "--annotator", ANN]],
         "oni-train-reward": [["{bad}", "{annotations.npz}", "--out", "{tmp}/r.pt"],
                              ["{pairs.npz}", "{bad}", "--out", "{tmp}/r.pt"]],
     }
@@ -191,6 +197,7 @@ def _damaged_file_cases():
     cases = []
     for prog, templates in reads.items():
         for template in templates:
+            template, own_suffix = template if isinstance(template, tuple) else (template, suffix.get(prog))
             for fmt in FORMATS:
                 for damage in DAMAGES:
                     # a metrics.csv cut short still holds its first rows: plotting them is fine
@@ -199,7 +206,7 @@ def _damaged_file_cases():
                     # an empty file is a valid (default) configuration
                     empty_config = prog == "oni-train" and damage == "empty" and fmt != "config.yaml"
                     cases.append((prog, template, OK_OR_ERROR if cut_csv or empty_config else None,
-                                  {"format": fmt, "damage": damage, "suffix": suffix.get(prog)}))
+                                  {"format": fmt, "damage": damage, "suffix": own_suffix}))
     return cases
 
 
@@ -271,7 +278,7 @@ def _number_cases():
         "oni-collect-pairs": (["{messages.txt}", "--out", "{tmp}/p.npz", "--num-pairs", "2"],
                               ["--num-pairs", "--seed"]),
         "oni-annotate-pairs": (["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", ANN],
-                               ["--chunk-size", "--max-chunks"]),
+                               ["--chunk-size", "--max-chunks", "--seed", "--llm-batch-size", "--llm-concurrency"]),
         "oni-train-reward": (["{pairs.npz}", "{annotations.npz}", "--out", "{tmp}/r.pt"],
                              ["--epochs", "--batch-size", "--lr", "--val-fraction", "--seed"]),
         "oni-train": ([], ["--frames", "--workers", "--envs-per-worker", "--rollout", "--lr", "--seed",
@@ -286,7 +293,9 @@ def _number_cases():
         ("oni-train-reward", "--seed"): {"0", "100000000000"}, ("oni-train-reward", "--val-fraction"): {"0"},
         ("oni-train", "--seed"): {"0", "100000000000"}, ("oni-train", "--feedback-port"): {"0"},
         ("oni-serve", "--port"): {"0"}, ("oni-annotate-pairs", "--max-chunks"): {"100000000000"},
-        ("oni-annotate-pairs", "--chunk-size"): {"100000000000"},
+        ("oni-annotate-pairs", "--chunk-size"): {"100000000000"}, ("oni-annotate-pairs", "--seed"): {"0"},
+        ("oni-annotate-pairs", "--llm-batch-size"): {"100000000000"},
+        ("oni-annotate-pairs", "--llm-concurrency"): {"100000000000"},
         ("oni-label", "--save-every"): {"0"},
         ("oni-serve", "--startup-timeout"): {"100000000000"}, ("oni-serve", "--read-timeout"): {"100000000000"},
         ("oni-serve", "--max-body-mb"): {"100000000000"},
@@ -317,12 +326,36 @@ def _misc_cases():
     out += [
         ("oni-train", ["--task", "chess"], "chess", None),
         ("oni-train", ["--config", "{config.yaml}", "--preset", "oni"], None, None),
-        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", ANN,
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,
                                 "--annotator-kwargs", '{"nope": 1}'], "--annotator", None),
-        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", ANN,
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,
                                 "--annotator-kwargs", '[1, 2]'], "--annotator-kwargs", None),
-        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", ANN,
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,
                                 "--annotator-kwargs", '{"a": '], "--annotator-kwargs", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,
+                                "--goal", "gold"], "--goal", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", ANN,
+                                "--annotator-kwargs", "{}"], "--annotator-kwargs", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", "oracle"], "--annotator", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", ANN, "--goal", "chess"],
+         "--goal", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", ANN, "--teacher-beta", "2"],
+         "--teacher-beta", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", "teacher",
+                                "--teacher-epsilon", "2"], "--teacher-epsilon", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", "llm", "--llm-url",
+                                "http://127.0.0.1:9/v1"], "127.0.0.1:9", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", "llm", "--llm-url",
+                                "http://127.0.0.1:9/v1", "--llm-timeout", "-1"], "--llm-timeout", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--llm-prompt", "long"], "--llm-prompt", None),
+        ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--label-budget", "5"], "--label-budget",
+         None),
+        ("oni-collect-pairs", ["{metrics.csv}", "--out", "{tmp}/p.npz", "--num-pairs", "2"], None, None),
+        ("oni-collect-pairs", ["{run}", "--out", "{run}/captions.pt", "--num-pairs", "2"], "--out", None),
+        ("oni-collect-pairs", ["{run}", "--out", "{tmp}/p.npz", "--num-pairs", "2", "--sampling", "zipf"],
+         "--sampling", None),
+        ("oni-collect-pairs", ["{checkpoint.pt}", "--out", "{tmp}/p.npz", "--num-pairs", "2"], None, None),
+        ("oni-collect-pairs", ["{reward.pt}", "--out", "{tmp}/p.npz", "--num-pairs", "2"], None, None),
         ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", "os:getcwd"], None, None),
         ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", "no.such.module:X"],
          None, None),
@@ -445,6 +478,9 @@ def _fill(template, world, tmp_path, extra):
         badrun = tmp_path / "badrun"
         badrun.mkdir()
         (badrun / "metrics.csv").write_bytes(data)
+        badstorerun = tmp_path / "badstorerun"  # a run folder whose caption store is damaged
+        badstorerun.mkdir()
+        (badstorerun / "captions.pt").write_bytes(data)
     out = []
     for arg in template:
         if arg.startswith("{yaml:"):
@@ -456,6 +492,7 @@ def _fill(template, world, tmp_path, extra):
             out.append(str(world["eps"][arg[4:-1]]))
             continue
         arg = arg.replace("{bad}", str(bad)).replace("{badrun}", str(tmp_path / "badrun"))
+        arg = arg.replace("{badstorerun}", str(tmp_path / "badstorerun"))
         arg = arg.replace("{tmp}", str(tmp_path)).replace("{run}", str(run))
         arg = arg.replace("{unreadable}", str(world["unreadable"]))
         arg = arg.replace("{annotations-other-pairs}", str(world["other"]))

@@ -559,7 +559,6 @@ def test_motif_command_line_tools(tmp_path, monkeypatch, capsys):
     # Bad input: one line on stderr, exit status 2, no traceback.
     bad_calls = [
         (motif_module.collect_pairs_main, [str(tmp_path / "nope.txt"), "--out", str(pairs), "--num-pairs", "3"]),
-        (motif_module.annotate_pairs_main, [str(pairs), "--out", str(labels), "--annotator", "no_colon"]),
         (motif_module.annotate_pairs_main, [str(pairs), "--out", str(tmp_path / "x.npz"),
                                             "--annotator", "fake_oni_annotators:Missing"]),
         (motif_module.train_reward_main, [str(pairs), str(pairs), "--out", str(ckpt)]),
@@ -572,10 +571,13 @@ def test_motif_command_line_tools(tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err
     assert "run again to resume" in err  # the interrupted annotation run says how to go on
-    with pytest.raises(SystemExit) as exc:
-        motif_module.train_reward_main([str(pairs)])  # missing arguments
-    assert exc.value.code == 2
-    assert capsys.readouterr().err.count("\n") == 1
+    for main, argv in [(motif_module.train_reward_main, [str(pairs)]),  # missing arguments
+                       (motif_module.annotate_pairs_main, [str(pairs), "--out", str(labels), "--annotator",
+                                                           "no_colon"])]:  # neither a name nor module:Factory
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.count("\n") == 1
 
 
 # --- BoW ----------------------------------------------------------------------------------------

@@ -331,14 +331,38 @@ def _show_default(value) -> str:
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls, defaults=None) -> None:
+def add_arguments(parser: argparse.ArgumentParser, cls, defaults=None,
+                  only: Optional[Sequence[str]] = None) -> None:
     """Adds one flag per leaf of ``cls`` to ``parser``, grouped by section.
 
-    ``defaults`` (an instance) only changes what ``--help`` shows. Every flag defaults to
+    ``defaults`` (an instance) only changes what ``--help`` shows. ``only`` (flat names) limits
+    the flags to those settings: a command that needs part of a tree (``oni-annotate-pairs``
+    takes the annotator settings of ``oni-train``). Every flag defaults to
     ``argparse.SUPPRESS``: read the given ones with :func:`apply_arguments`.
+
+    Example:
+        >>> @dataclass
+        ... class Server:
+        ...     url: str = setting("localhost", "where")
+        ...     port: int = setting(80, "which port")
+        >>> parser = argparse.ArgumentParser(prog="demo")
+        >>> add_arguments(parser, Server, only=["port"])
+        >>> vars(parser.parse_args(["--port", "8080"]))
+        {'port': 8080}
+
+    Raises:
+        TypeError: a name of ``only`` that is no setting of ``cls``.
     """
+    all_leaves = leaves(cls)
+    wanted = None if only is None else set(only)
+    if wanted is not None:
+        unknown = sorted(wanted - {leaf.flat for leaf in all_leaves})
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no setting {', '.join(map(repr, unknown))}")
     groups: Dict[Tuple[str, ...], Any] = {}
-    for leaf in leaves(cls):
+    for leaf in all_leaves:
+        if wanted is not None and leaf.flat not in wanted:
+            continue
         section = leaf.path[:-1]
         if section not in groups:
             groups[section] = parser if not section else parser.add_argument_group(".".join(section))

@@ -76,6 +76,8 @@ __all__ = [
     "annotate_pairs",
     "annotate_pairs_async",
     "collect_pairs",
+    "collect_frequency_pairs",
+    "store_captions",
     "train_reward_model",
     "LabelledPairs",
     "PairQueue",
@@ -93,8 +95,8 @@ __all__ = [
 
 # Motif's names load lazily, so that ``python -m torchrl_oni.rewards.motif`` runs its CLI
 # without the module having been imported by this package first.
-_MOTIF_NAMES = ("MotifReward", "annotate_pairs", "annotate_pairs_async", "collect_pairs",
-                "train_reward_model")
+_MOTIF_NAMES = ("MotifReward", "annotate_pairs", "annotate_pairs_async", "collect_pairs", "collect_frequency_pairs",
+                "store_captions", "train_reward_model")
 
 
 def __getattr__(name):

@@ -1,10 +1,13 @@
 """Offline Motif: collect caption pairs, have them annotated, fit a reward model, serve it.
 
 The three offline phases of Motif (peers §1), as library functions; their command-line tools
-are in :mod:`torchrl_oni.rewards.motif_cli`:
+are in :mod:`torchrl_oni.train.motif_cli`:
 
-1. :func:`collect_pairs` draws pairs of two *different*, non-empty captions from an array of
-   messages (``oni-collect-pairs``).
+1. :func:`collect_frequency_pairs` draws pairs as Motif does, each caption in proportion to how
+   often the agent saw it (``times_seen`` of a caption store: :func:`store_captions`), the
+   two captions of a pair independently (``oni-collect-pairs``); :func:`collect_pairs` draws
+   pairs of two *different* captions, each distinct caption equally likely
+   (``oni-collect-pairs --sampling uniform``). Both leave the empty message out unless told.
 2. :func:`annotate_pairs` sends them, a chunk at a time, to any annotator with an async
    ``compare``; the results file is rewritten atomically after every chunk, so a run that is
    interrupted resumes where it stopped (``oni-annotate-pairs``). Pairs whose two captions are
@@ -52,7 +55,7 @@ import numpy as np
 import torch
 
 from torchrl_oni.atomic import UnreadableFileError, atomic_write, safe_torch_load
-from torchrl_oni.captions import MESSAGE_LEN, decode_message, hash_messages
+from torchrl_oni.captions import MESSAGE_KEY, MESSAGE_LEN, decode_message, hash_messages
 from torchrl_oni.rewards.models import MessageRewardModel, as_message_tensor
 from torchrl_oni.rewards.ranking import UniqueCaptionPairSampler, bradley_terry_loss, pairwise_accuracy
 from torchrl_oni.rewards.scaling import threshold as threshold_values
@@ -61,6 +64,8 @@ from torchrl_oni.store.status import FAILED, LABELLED, SKIPPED, UNSEEN
 __all__ = [
     "QUANTILE_LEVELS",
     "collect_pairs",
+    "collect_frequency_pairs",
+    "store_captions",
     "annotate_pairs",
     "annotate_pairs_async",
     "load_annotations",
@@ -112,6 +117,83 @@ def collect_pairs(
         )
     first, second, _, _ = sampler.sample_pairs(int(num_pairs))
     return first, second
+
+
+def collect_frequency_pairs(
+    messages, num_pairs: int, *, times_seen=None, include_empty: bool = False, seed: int = 0
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Draws ``num_pairs`` pairs as Motif samples them: each caption of a pair independently,
+    with probability proportional to how often it was seen.
+
+    Motif draws its pairs from a dataset of time steps, so a caption the agent saw on 40 % of
+    its steps is 40 % of each side. A pair may then hold one caption twice:
+    :func:`annotate_pairs` ties such a pair without asking anyone, as Motif does.
+
+    Args:
+        messages: ``uint8[M, 256]`` captions; a caption may appear on several rows (their counts
+            add up).
+        num_pairs: how many pairs to draw.
+        times_seen: ``int[M]``, how many steps showed each row (a caption store's column,
+            :func:`store_captions`); ``None``: one each, so a caption weighs as many rows as it
+            has.
+        include_empty: also draw the empty message (often the most frequent one).
+        seed: random seed.
+
+    Returns:
+        ``(first, second)``, two ``uint8[num_pairs, 256]`` arrays.
+
+    Raises:
+        ValueError: fewer than two distinct usable captions, or counts that are negative, not
+            whole or not one per message.
+
+    Example:
+        >>> import numpy as np
+        >>> from torchrl_oni.captions import decode_messages, encode_messages
+        >>> msgs = encode_messages(["You kill the newt!", "It's a wall.", ""])
+        >>> first, second = collect_frequency_pairs(msgs, 2000, times_seen=[1, 3, 50], seed=0)
+        >>> walls = sum(text == "It's a wall." for text in decode_messages(np.concatenate([first, second])))
+        >>> round(walls / 4000, 2)  # 3 of every 4 steps with a (non-empty) caption
+        0.75
+    """
+    messages = np.asarray(as_message_tensor(messages).reshape(-1, MESSAGE_LEN).numpy())
+    if times_seen is None:
+        counts = np.ones(len(messages), dtype=np.float64)
+    else:
+        raw = np.asarray(times_seen).reshape(-1)
+        if raw.shape != (len(messages),):
+            raise ValueError(f"times_seen holds {raw.size} counts for {len(messages)} messages")
+        if raw.dtype.kind not in "iuf" or (raw.size and (not np.isfinite(raw).all() or (raw < 0).any()
+                                                         or (raw != np.round(raw)).any())):
+            raise ValueError("times_seen must hold whole, non-negative counts")
+        counts = raw.astype(np.float64)
+    usable = counts > 0
+    if not include_empty:
+        usable &= messages[:, 0] != 0
+    rows = np.flatnonzero(usable)
+    distinct = len(np.unique(hash_messages(messages[rows]))) if len(rows) else 0
+    if distinct < 2:
+        raise ValueError(f"need at least 2 distinct{'' if include_empty else ' non-empty'} captions, got {distinct}")
+    weights = counts[rows]
+    picks = np.random.default_rng(seed).choice(len(rows), size=(2, int(num_pairs)), p=weights / weights.sum())
+    return messages[rows[picks[0]]], messages[rows[picks[1]]]
+
+
+def store_captions(store) -> Tuple[np.ndarray, np.ndarray]:
+    """``(messages uint8[M, 256], times_seen int64[M])`` of every caption a
+    :class:`~torchrl_oni.store.CaptionStore` holds, labelled or not (the input of
+    :func:`collect_frequency_pairs`).
+
+    Example:
+        >>> from torchrl_oni.captions import encode_messages
+        >>> from torchrl_oni.store import CaptionStore
+        >>> store = CaptionStore(capacity=4)
+        >>> _ = store.add(encode_messages(["a", "b", "a", "a"]))
+        >>> messages, seen = store_captions(store)
+        >>> messages.shape, seen.tolist()
+        ((2, 256), [3, 1])
+    """
+    rows = store.caption_rows(store.caption_slots(), fields=(MESSAGE_KEY, "times_seen"))
+    return rows[MESSAGE_KEY].numpy().astype(np.uint8), rows["times_seen"].numpy().astype(np.int64)
 
 
 def _fingerprint(first: np.ndarray, second: np.ndarray) -> str:
@@ -472,17 +554,19 @@ class MotifReward:
         return z if self.cut is None else threshold_values(z, self.cut)
 
 
-# The command-line tools moved to motif_cli.py; installed console scripts (and
-# ``python -m torchrl_oni.rewards.motif``) may still name them here. They are looked up on first
-# use, through importlib, because motif_cli imports this module.
+# The command-line tools live in torchrl_oni.train.motif_cli (they take oni-train's annotator
+# settings); installed console scripts (and ``python -m torchrl_oni.rewards.motif``) may still
+# name them here. They are looked up on first use, through importlib: this library imports
+# nothing of the trainer.
+_CLI_MODULE = "torchrl_oni.train.motif_cli"
 _CLI_NAMES = ("collect_pairs_main", "annotate_pairs_main", "train_reward_main", "main")
 
 
 def __getattr__(name):
     if name in _CLI_NAMES:
-        return getattr(importlib.import_module("torchrl_oni.rewards.motif_cli"), name)
+        return getattr(importlib.import_module(_CLI_MODULE), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
-    sys.exit(importlib.import_module("torchrl_oni.rewards.motif_cli").main())
+    sys.exit(importlib.import_module(_CLI_MODULE).main())

@@ -86,22 +86,25 @@ def parse_command(argv: Optional[List[str]] = None) -> Tuple[TrainConfig, argpar
         cfg = apply_arguments(base, args)
     except ValueError as err:
         fail(PROG, str(err))
-    for line in _guard_api_key(cfg, from_command_line=hasattr(args, "llm_url")):
+    for line in guard_api_key(cfg, from_command_line=hasattr(args, "llm_url")):
         sys.stderr.write(f"{PROG}: warning: {line}\n")
     return cfg, args
 
 
-def _guard_api_key(cfg: TrainConfig, from_command_line: bool) -> List[str]:
+def guard_api_key(cfg, from_command_line: bool) -> List[str]:
     """Keeps the user's API key with the servers the user named: ``OPENAI_API_KEY`` is not sent
     to ``--llm-url`` servers read from a file (``--config``, a resumed run's config.yaml) unless
     ``--llm-url`` is given again on the command line; a key that would cross a network in plain
-    http is warned about. Returns the warnings; may set ``llm_api_key`` to ``""`` (no key)."""
+    http is warned about. Returns the warnings; may set ``llm_api_key`` to ``""`` (no key).
+
+    ``cfg`` is the configuration or its ``annotation`` section (``oni-annotate-pairs`` has only
+    that)."""
     from urllib.parse import urlsplit
 
     from ..annotators.endpoints import API_KEY_ENV
     from ..net import is_loopback
 
-    ann = cfg.annotation
+    ann = getattr(cfg, "annotation", cfg)
     if not ann.llm_url:
         return []
     lines = []
@@ -117,6 +120,9 @@ def _guard_api_key(cfg: TrainConfig, from_command_line: bool) -> List[str]:
                 lines.append(f"the API key goes to {url} over plain http: anyone on the path can read it (use https, "
                              f"or an SSH tunnel to a loopback port)")
     return lines
+
+
+_guard_api_key = guard_api_key  # the former name
 
 
 def _check_startable(cfg: TrainConfig) -> None:

@@ -164,6 +164,25 @@ class AnnotationConfig:
         "disagree (reward-model ensemble members disagree most: --rm-ensemble > 1) or entropy (the reward "
         "model is least sure)", choices=QUERY_RULES)
 
+    def validate(self) -> None:
+        """Raises ``ValueError`` with one sentence for the first impossible setting of this section
+        alone (:meth:`TrainConfig.validate` runs it; ``oni-annotate-pairs`` too, on its flags)."""
+        for message in check_values(self):
+            raise ValueError(message)
+        checks = [
+            (self.llm_batch_size >= 1 and self.llm_concurrency >= 1,
+             "--llm-batch-size and --llm-concurrency must be at least 1"),
+            (self.llm_timeout is None or self.llm_timeout > 0, "--llm-timeout must be positive"),
+            (self.label_budget is None or self.label_budget >= 0, "--label-budget must be non-negative"),
+            (self.teacher_beta is None or self.teacher_beta > 0, "--teacher-beta must be positive"),
+            (0 <= self.teacher_epsilon <= 1, "--teacher-epsilon must be in [0, 1]"),
+            (self.annotator == "teacher" or (self.teacher_beta is None and not self.teacher_epsilon),
+             "--teacher-beta and --teacher-epsilon need --annotator teacher"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
 
 @dataclass
 class RewardModelConfig:
@@ -354,9 +373,6 @@ class TrainConfig:
             (self.log.log_every >= 1 and self.log.stats_window >= 1, "--log-every and --stats-window must be at least 1"),
             (reward.extrinsic_clip >= 0, "--extrinsic-clip must be non-negative (0: no clip)"),
             (reward.count_exponent >= 0, "--count-exponent must be non-negative"),
-            (ann.llm_batch_size >= 1 and ann.llm_concurrency >= 1,
-             "--llm-batch-size and --llm-concurrency must be at least 1"),
-            (ann.llm_timeout is None or ann.llm_timeout > 0, "--llm-timeout must be positive"),
             (rm.batch_size >= 1 and rm.lr > 0, "--rm-batch-size must be >= 1 and --rm-lr > 0"),
             (min(rm.steps_per_labels, rm.switch_at, rm.steps_per_iteration) >= 0,
              "reward-model schedule settings must be non-negative"),
@@ -369,14 +385,12 @@ class TrainConfig:
             (rm.surf_lambda >= 0, "--rm-surf-lambda must be non-negative"),
             (rm.rune_beta >= 0, "--rm-rune-beta must be non-negative (0: RUNE off)"),
             (0 <= rm.rune_decay < 1, "--rm-rune-decay must be in [0, 1)"),
-            (ann.label_budget is None or ann.label_budget >= 0, "--label-budget must be non-negative"),
-            (ann.teacher_beta is None or ann.teacher_beta > 0, "--teacher-beta must be positive"),
-            (0 <= ann.teacher_epsilon <= 1, "--teacher-epsilon must be in [0, 1]"),
             (0 <= self.feedback.feedback_port < 65536, "--feedback-port must be in [0, 65535]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        ann.validate()
         self._check_label_settings()
         if reward.intrinsic_reward == "none":
             if reward.intrinsic_coeff:
@@ -407,8 +421,6 @@ class TrainConfig:
                                  f"not {kind!r}")
         if ann.label_schedule != "constant" and ann.label_budget is None:
             raise ValueError(f"--label-schedule {ann.label_schedule} needs a --label-budget")
-        if ann.annotator != "teacher" and (ann.teacher_beta is not None or ann.teacher_epsilon):
-            raise ValueError("--teacher-beta and --teacher-epsilon need --annotator teacher")
         if rm.ensemble > 1 and not model:
             raise ValueError(f"--rm-ensemble needs --intrinsic-reward {models}, not {kind!r}")
         if rm.surf_tau and kind != "classification":
