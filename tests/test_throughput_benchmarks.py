@@ -47,3 +47,10 @@ def test_train_throughput_smoke():
     assert 0 < result["outside_loss_share"] < 1
     assert result["gpu_util"] is None  # no GPU here: unknown, never a made-up figure
     assert "learner's time per stage" in table
+
+
+def test_drop_in_overhead_smoke():
+    result, table = _last_json([BENCH / "drop_in_overhead.py", "--seconds", "1.5", "--rounds", "1"])
+    assert "+ oni_transforms" in table
+    assert set(result["fps"]) == {"GymEnv", "+ copy, hash, count", "+ oni_transforms"}
+    assert all(v > 0 for v in result["fps"].values()) and 0 < result["ratio"] < 2

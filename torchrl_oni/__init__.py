@@ -15,6 +15,12 @@ import importlib
 
 __all__ = [
     "CaptionStore",
+    "CombineRewards",
+    "ONITransforms",
+    "OpenAIAnnotator",
+    "RetrievalReward",
+    "ScriptedAnnotator",
+    "oni_transforms",
     "IntrinsicRewardTransform",
     "LLMAnnotationTransform",
     "NLEBatchEnv",
@@ -24,6 +30,12 @@ __all__ = [
 
 _WHERE = {
     "CaptionStore": "torchrl_oni.store",
+    "CombineRewards": "torchrl_oni.transforms",
+    "ONITransforms": "torchrl_oni.stack",
+    "OpenAIAnnotator": "torchrl_oni.annotators",
+    "RetrievalReward": "torchrl_oni.rewards",
+    "ScriptedAnnotator": "torchrl_oni.annotators",
+    "oni_transforms": "torchrl_oni.stack",
     "IntrinsicRewardTransform": "torchrl_oni.transforms",
     "LLMAnnotationTransform": "torchrl_oni.transforms",
     "NLEBatchEnv": "torchrl_oni.envs.batched",

@@ -3,7 +3,8 @@
 For users who want TorchRL's ``GymEnv`` / ``SerialEnv`` / ``ParallelEnv`` machinery rather than
 the batched fast path: a gymnasium wrapper that **copies** NLE's reused buffers (without it, a
 ``GymEnv`` rollout stores the last observation at every step) and adds ``caption_hash`` and the
-``crop``; a TorchRL transform, :class:`MessageCounter`, that adds the per-episode ``msg_count``;
+``crop``; the TorchRL transform :class:`~torchrl_oni.envs.caption_keys.MessageCounter` (re-exported
+here), that adds the per-episode ``msg_count``;
 and an info reader that turns NLE's info dict into the ``episode`` statistics.
 
 ``GymWrapper`` gives scalar observations a trailing dimension of 1, so ``caption_hash`` and
@@ -36,10 +37,10 @@ from tensordict import TensorDictBase
 from torchrl.data import Unbounded
 from torchrl.envs import GymWrapper, TransformedEnv
 from torchrl.envs.gym_like import BaseInfoDictReader
-from torchrl.envs.transforms import Transform
 
-from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MSG_COUNT_KEY, caption_hash
+from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, caption_hash
 from .batched import OFF_MAP_GLYPH, GlyphWindows
+from .caption_keys import MessageCounter
 from .tasks import make_task
 
 __all__ = ["CopyingObservationWrapper", "MessageCounter", "EpisodeInfoReader", "make_gym_env"]
@@ -92,80 +93,6 @@ class EpisodeInfoReader(BaseInfoDictReader):
     @property
     def info_spec(self):
         return {("episode", k): Unbounded((), dtype=torch.int64) for k in self.KEYS}
-
-
-class MessageCounter(Transform):
-    """Adds ``msg_count``: how often this exact caption was seen in the current episode.
-
-    Keyed on ``caption_hash``; the reset observation counts (it gives 1), as in ONI. Works on
-    unbatched envs and on batched envs (one counter table per batch element).
-
-    It needs the env: the count is a running total along each episode, kept between steps. On a
-    collected batch or a replay-buffer sample (``transform(td)``, a replay buffer's transform,
-    a collector's ``postproc``) there is no such history, so calling it raises, as TorchRL's
-    ``StepCounter`` does; such data already holds the ``msg_count`` the env wrote.
-    """
-
-    def __init__(self, in_key=CAPTION_HASH_KEY, out_key=MSG_COUNT_KEY):
-        super().__init__(in_keys=[in_key], out_keys=[out_key])
-        self._tables: Optional[list] = None
-
-    def _count(self, hashes: torch.Tensor) -> torch.Tensor:
-        flat = hashes.reshape(-1).tolist()
-        if self._tables is None or len(self._tables) != len(flat):
-            self._tables = [dict() for _ in flat]
-        out = []
-        for table, h in zip(self._tables, flat):
-            n = table.get(h, 0) + 1
-            table[h] = n
-            out.append(n)
-        return torch.tensor(out, dtype=torch.int64).reshape(hashes.shape)
-
-    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
-        next_tensordict.set(self.out_keys[0], self._count(next_tensordict.get(self.in_keys[0])))
-        return next_tensordict
-
-    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        hashes = tensordict_reset.get(self.in_keys[0])
-        flat_n = hashes.numel()
-        if self._tables is None or len(self._tables) != flat_n:
-            self._tables = [dict() for _ in range(flat_n)]
-        reset = tensordict.get("_reset", None) if tensordict is not None else None
-        mask = [True] * flat_n if reset is None else reset.reshape(-1).tolist()
-        if len(mask) != flat_n:
-            mask = [bool(any(mask))] * flat_n
-        for i, m in enumerate(mask):
-            if m:
-                self._tables[i].clear()
-        counts = []
-        previous = tensordict.get(self.out_keys[0], None) if tensordict is not None else None
-        prev_flat = previous.reshape(-1).tolist() if previous is not None and previous.numel() == flat_n else None
-        for i, h in enumerate(hashes.reshape(-1).tolist()):
-            if mask[i] or prev_flat is None:
-                n = self._tables[i].get(h, 0) + 1
-                self._tables[i][h] = n
-                counts.append(n)
-            else:
-                counts.append(prev_flat[i])
-        tensordict_reset.set(self.out_keys[0], torch.tensor(counts, dtype=torch.int64).reshape(hashes.shape))
-        return tensordict_reset
-
-    def transform_observation_spec(self, observation_spec):
-        ref = observation_spec[self.in_keys[0]]
-        observation_spec[self.out_keys[0]] = Unbounded(ref.shape, dtype=torch.int64, device=ref.device)
-        return observation_spec
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        # Transform.forward would copy caption_hash into msg_count through _apply_transform:
-        # a count of ~1e18 that IntrinsicRewardTransform then turns into a reward of ~0
-        raise NotImplementedError(
-            f"{type(self).__name__} counts captions along episodes as an env steps and cannot be "
-            "applied to a batch or a replay-buffer sample; the data already holds the env's "
-            f"'{self.out_keys[0]}'. Append it to the env (TransformedEnv) or drop it from this transform."
-        )
-
-    def _apply_transform(self, obs):  # not used: _call is overridden and forward refuses
-        raise NotImplementedError
 
 
 def make_gym_env(task: str = "score", *, seed: Optional[int] = None, crop_size: int = 9, **task_kwargs):
