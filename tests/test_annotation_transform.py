@@ -298,7 +298,7 @@ def test_hash_is_computed_when_absent_and_missing_message_is_an_error():
 
 def test_copying_is_refused_with_a_clear_message():
     transform = LLMAnnotationTransform(CaptionStore(capacity=4), KillAnnotator())
-    with pytest.raises(TypeError, match="in the trainer"):
+    with pytest.raises(RuntimeError, match="in the trainer"):
         copy.deepcopy(transform)
     shallow = transform.clone()
     assert shallow.worker is transform.worker and shallow.store is transform.store

@@ -19,10 +19,16 @@ repeatedly cannot be parsed are given up (``CaptionStore.given_up()`` lists them
 :meth:`LLMAnnotationTransform.health` sums up in one line why no labels arrive.
 
 Where to put the transform: :class:`~torchrl.collectors.MultiAsyncCollector` deep-copies its
-``postproc`` into its workers, where a background thread and a shared store make no sense.
-Apply the transform in the trainer to each collected batch (``batch = annotate(batch)``), or
-inside a single-process ``TransformedEnv``. Copying or pickling the transform raises an error
-that says so.
+``postproc``, and env worker processes get pickled copies, where a background thread and a
+shared store make no sense. Apply the transform in the trainer to each collected batch
+(``batch = annotate(batch)``), or inside a single-process ``TransformedEnv``. Copying or pickling
+the transform raises :class:`~torchrl_oni.background.NotCopyableError` (a ``RuntimeError``) that
+says so, also from inside a ``Compose`` or a collector's env factory.
+
+Checkpoints: the transform's ``state_dict()`` holds its store's rows (captions, labels,
+statuses, counts: :meth:`~torchrl_oni.store.CaptionStore.state_dict`), so ``env.state_dict()``
+of a ``TransformedEnv`` keeps the labels; ``load_state_dict`` restores them into the transform's
+store in place (captions pending at save time come back to be labelled).
 
 Example:
     >>> import asyncio
@@ -55,7 +61,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -64,11 +70,12 @@ from torchrl.data import Categorical, Composite
 from torchrl.envs.transforms import Transform
 
 from torchrl_oni.annotators.base import Annotator
-from torchrl_oni.background import BackgroundLoop
+from torchrl_oni.background import BackgroundLoop, NotCopyableError
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, hash_messages
 from torchrl_oni.store import CaptionStore, is_parse_failure, is_skip
+from torchrl_oni.transform_keys import KeyedTransform, KeyRole, alias_property
 
-__all__ = ["AnnotationWorker", "LLMAnnotationTransform", "Claim"]
+__all__ = ["AnnotationWorker", "LLMAnnotationTransform", "Claim", "NotCopyableError"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +89,7 @@ Claim = Callable[[int], Tuple[torch.Tensor, List[str]]]
 _COPY_ERROR = (
     "{cls} cannot be copied or pickled: it owns a background thread and shares a CaptionStore. "
     "Apply it in the trainer to each collected batch (not as a collector postproc or inside a "
-    "ParallelEnv worker)."
+    "ParallelEnv worker or a collector's env factory)."
 )
 
 
@@ -425,13 +432,13 @@ class AnnotationWorker(BackgroundLoop):
         self._record_failures({kind: len(idx) for kind, idx in failed.items()})
 
     def __deepcopy__(self, memo):
-        raise TypeError(_COPY_ERROR.format(cls=type(self).__name__))
+        raise NotCopyableError(_COPY_ERROR.format(cls=type(self).__name__))
 
     def __getstate__(self):
-        raise TypeError(_COPY_ERROR.format(cls=type(self).__name__))
+        raise NotCopyableError(_COPY_ERROR.format(cls=type(self).__name__))
 
 
-class LLMAnnotationTransform(Transform):
+class LLMAnnotationTransform(KeyedTransform, Transform):
     """Sends the captions it sees to an LLM annotator in the background; data pass through.
 
     On every call it reads ``caption_hash`` and ``message`` (at the root and, when present,
@@ -450,17 +457,28 @@ class LLMAnnotationTransform(Transform):
         annotator (Annotator): the labeller (:mod:`torchrl_oni.annotators`).
 
     Keyword Args:
-        message_key, hash_key: the keys to read (defaults ``"message"``, ``"caption_hash"``;
-            the hash is computed from the message when absent).
+        in_keys (list of NestedKey): the caption hash and the message (2 keys; default
+            ``["caption_hash", "message"]``; the hash is computed from the message when absent).
+        out_keys (list of NestedKey): ``[]`` (default) or the one key of a bool "caption is
+            labelled" entry.
+        message_key, hash_key: aliases of ``in_keys[1]`` and ``in_keys[0]``.
         include_next (bool): also read ``("next", message_key)`` when present. Default True
             (terminal captions, e.g. death messages, only appear there).
-        labelled_key (str, optional): write a bool "caption is labelled" entry under this key.
+        labelled_key (str, optional): alias of ``out_keys[0]``.
         batch_size, max_concurrency, poll_interval_s, pairs, close_annotator, log_interval_s, claim:
             passed to :class:`AnnotationWorker` (``claim``: e.g. a
             :class:`~torchrl_oni.queries.SelectiveClaim` for a label budget and query selection).
         coverage_window (int): number of recent calls over which ``coverage`` is measured.
         autostart (bool): start the worker on the first call (default). If False, call
             :meth:`start`.
+
+    Keys can be changed later with :meth:`set_keys` (roles ``caption_hash``, ``message``,
+    ``labelled``), as on TorchRL's losses.
+
+    Copies: the transform refuses ``copy.deepcopy`` and pickling
+    (:class:`~torchrl_oni.background.NotCopyableError`); ``clone()`` (TorchRL's shallow copy)
+    shares its worker and store. Its ``state_dict()`` holds the store's rows (it owns them in a
+    checkpoint; the reward transform reading the same store saves none of them).
 
     Example:
         >>> import torch
@@ -486,13 +504,23 @@ class LLMAnnotationTransform(Transform):
         >>> annotate.close()
     """
 
+    _IN_ROLES = (KeyRole("caption_hash", CAPTION_HASH_KEY, "hash_key"),
+                 KeyRole("message", MESSAGE_KEY, "message_key"))
+    _OUT_ROLES = (KeyRole("labelled", None, "labelled_key"),)
+
+    hash_key = alias_property("caption_hash", "in_keys", 0, "``in_keys[0]``: the caption hash read.")
+    message_key = alias_property("message", "in_keys", 1, "``in_keys[1]``: the message read.")
+    labelled_key = alias_property("labelled", "out_keys", 0, "``out_keys[0]`` or None: the 'caption is labelled' flag written.")
+
     def __init__(
         self,
         store: CaptionStore,
         annotator: Annotator,
         *,
-        message_key: str = MESSAGE_KEY,
-        hash_key: str = CAPTION_HASH_KEY,
+        in_keys: Optional[Sequence] = None,
+        out_keys: Optional[Sequence] = None,
+        message_key: Optional[str] = None,
+        hash_key: Optional[str] = None,
         include_next: bool = True,
         labelled_key: Optional[str] = None,
         batch_size: int = 100,
@@ -506,12 +534,11 @@ class LLMAnnotationTransform(Transform):
         autostart: bool = True,
         claim: Optional[Claim] = None,
     ):
-        super().__init__(in_keys=[hash_key, message_key], out_keys=[labelled_key] if labelled_key else [])
+        in_keys, out_keys = self._resolve_keys(in_keys, out_keys, {
+            "hash_key": hash_key, "message_key": message_key, "labelled_key": labelled_key})
+        super().__init__(in_keys=in_keys, out_keys=out_keys)
         self.store = store
-        self.message_key = message_key
-        self.hash_key = hash_key
         self.include_next = include_next
-        self.labelled_key = labelled_key
         self.autostart = autostart
         self.worker = AnnotationWorker(
             store,
@@ -560,10 +587,26 @@ class LLMAnnotationTransform(Transform):
         return new
 
     def __deepcopy__(self, memo):
-        raise TypeError(_COPY_ERROR.format(cls=type(self).__name__))
+        raise NotCopyableError(_COPY_ERROR.format(cls=type(self).__name__))
 
     def __getstate__(self):
-        raise TypeError(_COPY_ERROR.format(cls=type(self).__name__))
+        raise NotCopyableError(_COPY_ERROR.format(cls=type(self).__name__))
+
+    # ------------------------------------------------------------------ checkpoints
+    def get_extra_state(self) -> dict:
+        """The store's rows (``CaptionStore.state_dict()``) and the transform's counters travel in
+        ``state_dict()`` (nn.Module's extra-state hook); pending captions are saved as unseen."""
+        return {"store": self.store.state_dict(), "steps_seen": self._steps_seen,
+                "new_captions": self._new_captions}
+
+    def set_extra_state(self, state: dict) -> None:
+        """Restores the rows into the transform's store, in place (see ``CaptionStore.load_state_dict``)."""
+        if not state:
+            return
+        if state.get("store") is not None:
+            self.store.load_state_dict(state["store"])
+        self._steps_seen = int(state.get("steps_seen", self._steps_seen))
+        self._new_captions = int(state.get("new_captions", self._new_captions))
 
     # ------------------------------------------------------------------ data path
     def _groups(self, tensordict: TensorDictBase) -> List[TensorDictBase]:

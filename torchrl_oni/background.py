@@ -72,7 +72,16 @@ import numpy as np
 
 from torchrl_oni.store import is_parse_failure, is_skip
 
-__all__ = ["BackgroundLoop"]
+__all__ = ["BackgroundLoop", "NotCopyableError"]
+
+
+class NotCopyableError(RuntimeError):
+    """Raised by ``copy.deepcopy`` and pickling of an object that owns a background thread.
+
+    A ``RuntimeError`` on purpose: TorchRL's multiprocess collectors turn a ``TypeError`` raised
+    while pickling a worker's arguments into a generic "non-serializable object" error (or drop
+    it), and let a ``RuntimeError`` through with its message.
+    """
 
 _log = logging.getLogger(__name__)
 
@@ -231,10 +240,10 @@ class BackgroundLoop:
         self._flush_failure_log(force=True)
 
     def __deepcopy__(self, memo):
-        raise TypeError(f"{type(self).__name__} owns a thread: it cannot be copied or pickled")
+        raise NotCopyableError(f"{type(self).__name__} owns a thread: it cannot be copied or pickled")
 
     def __getstate__(self):
-        raise TypeError(f"{type(self).__name__} owns a thread: it cannot be copied or pickled")
+        raise NotCopyableError(f"{type(self).__name__} owns a thread: it cannot be copied or pickled")
 
     # ------------------------------------------------------------------ accounting
     def _client_call(self, name: str, default, *args):

@@ -27,7 +27,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -45,6 +45,7 @@ from torchrl_oni.captions import (
 )
 from torchrl_oni.rewards.ensemble import RUNE_BONUS_KEY, RUNEBonus
 from torchrl_oni.rewards.scaling import RunningMeanStd, count_scale, threshold as threshold_values
+from torchrl_oni.transform_keys import KeyedTransform, KeyRole, alias_property
 
 __all__ = ["IntrinsicRewardTransform", "LLMAnnotationTransform", "CombineRewards", "INTRINSIC_REWARD_KEY",
            "rune_transform"]
@@ -54,7 +55,7 @@ _MESSAGE_CHOICES = ("acted", "next")
 RewardSource = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class IntrinsicRewardTransform(Transform):
+class IntrinsicRewardTransform(KeyedTransform, Transform):
     """Writes ``("next", "intrinsic_reward")`` = ``f(R(m)) · msg_count ** -beta``.
 
     ``R`` is a reward source of :mod:`torchrl_oni.rewards` (``RetrievalReward``,
@@ -91,20 +92,44 @@ class IntrinsicRewardTransform(Transform):
     source that holds a live store (retrieval, online reward models) belongs in the trainer
     process, not in env worker processes.
 
+    **Training and eval mode** (``normalize=True``): the running statistics are updated only in
+    training mode, as TorchRL's ``RNDTransform`` does; in eval mode they normalise without
+    moving. A new transform is in training mode, but TorchRL puts a transform in **eval mode**
+    when it joins a ``TransformedEnv`` (or ``Compose.append``): call ``env.train()`` (or
+    ``transform.train()``) for the statistics of a transform inside an env to move. On collected
+    batches (``oni-train``) the transform stays in training mode.
+
+    **Copies and processes.** The transform deep-copies and pickles with its reward source (a
+    ``ParallelEnv`` factory, a collector worker, ``torch.save``); a copy computes the same
+    rewards from the same batch. A :class:`~torchrl_oni.store.CaptionStore` the source reads is
+    shared by a deep copy made in this process and arrives as a snapshot in another process
+    (:class:`~torchrl_oni.rewards.RetrievalReward` warns there once): see "Copies and
+    processes" in ``docs/design.md``. ``state_dict()`` holds the running statistics only; the
+    store's labels travel in the ``state_dict()`` of the
+    :class:`~torchrl_oni.annotation.LLMAnnotationTransform` that fills it.
+
     Args:
         reward: the reward source ``R``.
 
     Keyword Args:
+        in_keys (list of NestedKey): the message, its caption hash and its per-episode count
+            (exactly 3 keys; default ``["message", "caption_hash", "msg_count"]``), read from the
+            root (``message="acted"``) or from ``"next"`` (``message="next"``).
+        out_keys (list of NestedKey): the one reward entry written under ``"next"`` (default
+            ``["intrinsic_reward"]``).
         message (str): ``"acted"`` or ``"next"``, see above. Default ``"acted"``.
         beta (float): count-decay exponent (3 in ONI/Motif; 0 disables the decay).
-        normalize (bool): normalise ``R`` with running mean/std (updated in training mode).
+        normalize (bool): normalise ``R`` with running mean/std (updated in training mode only).
         threshold (float, optional): values at or below it become 0 (after normalisation).
-        message_key, hash_key, count_key: the observation keys (defaults ``"message"``,
-            ``"caption_hash"``, ``"msg_count"``).
-        out_key (str): the reward entry written under ``"next"``. Default ``"intrinsic_reward"``.
+        message_key, hash_key, count_key: aliases of ``in_keys[0]``, ``in_keys[1]``,
+            ``in_keys[2]`` (a value that contradicts ``in_keys`` is a ``ValueError``).
+        out_key (str): alias of ``out_keys[0]``.
         dedupe (bool): call ``R`` once per distinct caption hash of the batch (a rollout repeats
             a few dozen messages hundreds of times; every source here is a function of the
             message). Default True.
+
+    Keys can be changed later with :meth:`set_keys` (roles ``message``, ``caption_hash``,
+    ``msg_count``, ``intrinsic_reward``), as on TorchRL's losses.
 
     Example:
         >>> import torch
@@ -119,34 +144,46 @@ class IntrinsicRewardTransform(Transform):
         >>> env.close()
     """
 
+    _IN_ROLES = (KeyRole("message", MESSAGE_KEY, "message_key"),
+                 KeyRole("caption_hash", CAPTION_HASH_KEY, "hash_key"),
+                 KeyRole("msg_count", MSG_COUNT_KEY, "count_key"))
+    _OUT_ROLES = (KeyRole("intrinsic_reward", INTRINSIC_REWARD_KEY, "out_key"),)
+
+    message_key = alias_property("message", "in_keys", 0, "``in_keys[0]``: the message read.")
+    hash_key = alias_property("caption_hash", "in_keys", 1, "``in_keys[1]``: its caption hash.")
+    count_key = alias_property("msg_count", "in_keys", 2, "``in_keys[2]``: its per-episode count.")
+    out_key = alias_property("intrinsic_reward", "out_keys", 0, "``out_keys[0]``: the reward written under ``\"next\"``.")
+
     def __init__(
         self,
         reward: RewardSource,
         *,
+        in_keys: Optional[Sequence] = None,
+        out_keys: Optional[Sequence] = None,
         message: str = "acted",
         beta: float = 3.0,
         normalize: bool = False,
         threshold: Optional[float] = None,
-        message_key: str = MESSAGE_KEY,
-        hash_key: str = CAPTION_HASH_KEY,
-        count_key: str = MSG_COUNT_KEY,
-        out_key: str = INTRINSIC_REWARD_KEY,
+        message_key: Optional[str] = None,
+        hash_key: Optional[str] = None,
+        count_key: Optional[str] = None,
+        out_key: Optional[str] = None,
         dedupe: bool = True,
     ):
         if message not in _MESSAGE_CHOICES:
             raise ValueError(f"message must be 'acted' or 'next', got {message!r}")
         if beta < 0:
             raise ValueError(f"beta must be >= 0, got {beta}")
-        super().__init__(in_keys=[message_key, hash_key, count_key], out_keys=[out_key])
+        if not callable(reward):
+            raise TypeError(f"reward must be callable (messages, hashes) -> rewards, got {type(reward).__name__}")
+        in_keys, out_keys = self._resolve_keys(in_keys, out_keys, {
+            "message_key": message_key, "hash_key": hash_key, "count_key": count_key, "out_key": out_key})
+        super().__init__(in_keys=in_keys, out_keys=out_keys)
         self.reward = reward
         self.message = message
         self.beta = float(beta)
         self.normalize = bool(normalize)
         self.threshold = None if threshold is None else float(threshold)
-        self.message_key = message_key
-        self.hash_key = hash_key
-        self.count_key = count_key
-        self.out_key = out_key
         self.dedupe = bool(dedupe)
         self.stats = RunningMeanStd() if self.normalize else None
         self.last_raw: Optional[torch.Tensor] = None  # R(m) of the last call, before decay
@@ -265,7 +302,7 @@ class IntrinsicRewardTransform(Transform):
                 f"beta={self.beta:g}, normalize={self.normalize}, threshold={self.threshold})")
 
 
-class CombineRewards(Transform):
+class CombineRewards(KeyedTransform, Transform):
     """Mixes the env reward and the intrinsic reward into the reward PPO optimises.
 
     ``("next", "reward") = extrinsic_coeff · clip(r_env, ±extrinsic_clip) + intrinsic_coeff · r_int``;
@@ -274,7 +311,29 @@ class CombineRewards(Transform):
     turns clipping off). Put it after :class:`IntrinsicRewardTransform`, on collected batches or in
     a ``TransformedEnv``; ``oni-train`` applies the same mix to each batch. With
     ``streams=True`` the two weighted terms are also kept, in ``("next", "reward_ext")`` and
-    ``("next", "reward_int")``, for a critic with one value head per reward stream.
+    ``("next", "reward_int")``, for a critic with one value head per reward stream. Applied twice
+    (a ``Compose`` and a batch transform, say) it gives the same reward: the second application
+    mixes from the env reward the first one kept.
+
+    The transform has no state (``state_dict()`` is empty) and deep-copies and pickles freely.
+
+    Args:
+        extrinsic_coeff (float): the env reward's coefficient. Default 1.
+        intrinsic_coeff (float): the intrinsic reward's coefficient. Default 0.
+        extrinsic_clip (float, optional): the env reward is clipped to ``±extrinsic_clip`` first
+            (``None``: no clipping). Default 10.
+        intrinsic_key: alias of ``in_keys[1]``.
+        streams (bool): also write the two weighted terms (``out_keys[2:]``).
+
+    Keyword Args:
+        in_keys (list of NestedKey): the env reward and the intrinsic reward, read under
+            ``"next"`` (2 keys; default ``["reward", "intrinsic_reward"]``).
+        out_keys (list of NestedKey): the mixed reward and the kept env reward, then, with
+            ``streams=True``, the two weighted terms (2 keys, or 4 with ``streams``; default
+            ``["reward", "extrinsic_reward"]`` + ``["reward_ext", "reward_int"]``).
+
+    Keys can be changed later with :meth:`set_keys` (roles ``reward``, ``intrinsic_reward``,
+    ``combined_reward``, ``extrinsic_reward``, and with ``streams`` ``reward_ext``, ``reward_int``).
 
     Example:
         >>> import torch
@@ -286,35 +345,54 @@ class CombineRewards(Transform):
         tensor([ 1.4000, -0.1000])
     """
 
+    _IN_ROLES = (KeyRole("reward", "reward", None),
+                 KeyRole("intrinsic_reward", INTRINSIC_REWARD_KEY, "intrinsic_key"))
+    _OUT_ROLES = (KeyRole("combined_reward", "reward", None),
+                  KeyRole("extrinsic_reward", "extrinsic_reward", None))
+    _STREAM_ROLES = (KeyRole("reward_ext", "reward_ext", None),
+                     KeyRole("reward_int", "reward_int", None))
+
+    intrinsic_key = alias_property("intrinsic_reward", "in_keys", 1, "``in_keys[1]``: the intrinsic reward read.")
+
     def __init__(self, extrinsic_coeff: float = 1.0, intrinsic_coeff: float = 0.0,
-                 extrinsic_clip: Optional[float] = 10.0, intrinsic_key=INTRINSIC_REWARD_KEY,
-                 streams: bool = False):
-        out_keys = ["reward", "extrinsic_reward"] + (["reward_ext", "reward_int"] if streams else [])
-        super().__init__(in_keys=["reward", intrinsic_key], out_keys=out_keys)
+                 extrinsic_clip: Optional[float] = 10.0, intrinsic_key=None,
+                 streams: bool = False, *, in_keys: Optional[Sequence] = None,
+                 out_keys: Optional[Sequence] = None):
+        roles = self._roles_for(bool(streams))
+        in_keys, out_keys = self._resolve_keys(in_keys, out_keys, {"intrinsic_key": intrinsic_key}, roles)
+        super().__init__(in_keys=in_keys, out_keys=out_keys)
         self.extrinsic_coeff = float(extrinsic_coeff)
         self.intrinsic_coeff = float(intrinsic_coeff)
         self.extrinsic_clip = extrinsic_clip
-        self.intrinsic_key = intrinsic_key
-        self.streams = streams
+        self.streams = bool(streams)
+
+    @classmethod
+    def _roles_for(cls, streams: bool):
+        return cls._IN_ROLES, cls._OUT_ROLES + (cls._STREAM_ROLES if streams else ())
+
+    def _key_roles(self):
+        return self._roles_for(self.streams)
 
     def mix(self, next_td: TensorDictBase) -> TensorDictBase:
         from torchrl_oni.rewards.scaling import reward_streams
 
+        reward_key, intrinsic_key = self.in_keys
+        out_key, kept_key = self.out_keys[:2]
         # a second application mixes from the env's reward it kept, not from its own mix: applying
         # CombineRewards twice (a Compose and a batch transform, say) gives the same reward
-        ext = next_td.get("extrinsic_reward", None)
+        ext = next_td.get(kept_key, None)
         if ext is None:
-            ext = next_td.get("reward")
-        intrinsic = next_td.get(self.intrinsic_key, None)
+            ext = next_td.get(reward_key)
+        intrinsic = next_td.get(intrinsic_key, None)
         if intrinsic is None or self.intrinsic_coeff == 0.0:
             intrinsic = torch.zeros_like(ext)
         ext_part, int_part = reward_streams(ext, intrinsic, self.extrinsic_coeff, self.intrinsic_coeff,
                                             self.extrinsic_clip)
-        next_td.set("extrinsic_reward", ext)
-        next_td.set("reward", ext_part + int_part)
+        next_td.set(kept_key, ext)
+        next_td.set(out_key, ext_part + int_part)
         if self.streams:
-            next_td.set("reward_ext", ext_part)
-            next_td.set("reward_int", int_part)
+            next_td.set(self.out_keys[2], ext_part)
+            next_td.set(self.out_keys[3], int_part)
         return next_td
 
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
@@ -331,10 +409,12 @@ class CombineRewards(Transform):
         return tensordict_reset
 
     def transform_reward_spec(self, reward_spec):
-        ref = reward_spec["reward"] if "reward" in reward_spec.keys() else None
+        reward_key = self.in_keys[0]
+        ref = reward_spec[reward_key] if reward_key in reward_spec.keys(True, True) else None
         if ref is not None:
-            for key in self.out_keys[1:]:
-                reward_spec[key] = ref.clone()
+            for key in self.out_keys:
+                if key != reward_key:
+                    reward_spec[key] = ref.clone()
         return reward_spec
 
 
@@ -345,14 +425,18 @@ def rune_transform(
     *,
     message: str = "acted",
     count_beta: float = 3.0,
-    out_key: str = RUNE_BONUS_KEY,
+    out_key: Optional[str] = None,
+    in_keys: Optional[Sequence] = None,
+    out_keys: Optional[Sequence] = None,
 ):
     """An :class:`~torchrl_oni.transforms.IntrinsicRewardTransform` writing ``("next", "rune_bonus")``.
 
     The bonus gets the same per-episode count decay as ONI's intrinsic reward
     (``msg_count ** -count_beta``; 0 disables it): without it, a caption the ensemble is unsure
     of would pay on every step the agent repeats it. Its :class:`RUNEBonus` is the transform's
-    ``reward`` attribute (call ``transform.reward.step()`` once per iteration).
+    ``reward`` attribute (call ``transform.reward.step()`` once per iteration). ``in_keys``,
+    ``out_keys`` and ``out_key`` are :class:`IntrinsicRewardTransform`'s (default output
+    ``"rune_bonus"``).
 
     Example:
         >>> import torch
@@ -366,5 +450,7 @@ def rune_transform(
         >>> t(td)["next", "rune_bonus"].shape
         torch.Size([2, 1])
     """
+    if out_key is None and out_keys is None:
+        out_key = RUNE_BONUS_KEY
     return IntrinsicRewardTransform(RUNEBonus(ensemble, beta0, decay), message=message, beta=count_beta,
-                                    out_key=out_key)
+                                    in_keys=in_keys, out_keys=out_keys, out_key=out_key)

@@ -107,7 +107,9 @@ class BoWReward:
         cache_size: the most memoised captions; the oldest are forgotten first.
 
     The cache is guarded by a lock, so several threads may call the reward; it is not part of
-    ``state_dict`` (it is a pure function of goal and vectors).
+    ``state_dict`` (it is a pure function of goal and vectors). A copy (``copy.deepcopy``,
+    pickle: a ``ParallelEnv`` factory, a collector worker) has a lock of its own and starts with
+    the cache as it was; it pays the same rewards.
     """
 
     def __init__(
@@ -125,6 +127,17 @@ class BoWReward:
         if not np.any(self._goal_vec):
             raise ValueError(f"the goal {goal!r} has no content word the vectors know")
         self._cache: "OrderedDict[int, float]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        with self._lock:
+            state = dict(self.__dict__)
+            state["_cache"] = OrderedDict(self._cache)
+        del state["_lock"]  # a lock can be neither pickled nor deep-copied
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
         self._lock = threading.Lock()
 
     def similarity(self, text: str) -> float:

@@ -24,11 +24,45 @@ Example:
 """
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Protocol, Tuple, runtime_checkable
 
 import torch
 
-__all__ = ["LabelLookup", "RetrievalReward"]
+__all__ = ["LabelLookup", "RetrievalReward", "SNAPSHOT_WARNING"]
+
+# said once per reward, where it computes from a copy of the store that no longer follows the live one
+SNAPSHOT_WARNING = (
+    "{cls} reads a snapshot of the CaptionStore taken when it was copied to this process; labels that "
+    "arrive later are not seen — compute the reward in the main process (outer TransformedEnv, or on "
+    "the collected batch)"
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _silenced_by_a_blanket_filter(text: str, category=UserWarning) -> bool:
+    """True when the first warning filter that matches ``text`` ignores every warning.
+
+    TorchRL's env and collector workers run under ``warnings.filterwarnings("ignore")``
+    (``torchrl.filter_warnings_subprocess``); a filter aimed at this warning is the user's choice.
+    """
+    for action, message, cat, module, _ in warnings.filters:
+        if not issubclass(category, cat) or (message is not None and not message.match(text)):
+            continue
+        if module is not None and not module.match(__name__):
+            continue
+        return action == "ignore" and message is None and module is None and cat is Warning
+    return False
+
+
+def _say(text: str) -> None:
+    """A ``UserWarning``, or a log record where every warning is silenced (a TorchRL worker)."""
+    if _silenced_by_a_blanket_filter(text):
+        logger.warning(text)
+    else:
+        warnings.warn(text, UserWarning, stacklevel=3)
 
 
 @runtime_checkable
@@ -44,8 +78,17 @@ class LabelLookup(Protocol):
 class RetrievalReward:
     """``R(m)`` = the stored label of ``m``'s hash; unlabelled captions get 0.
 
-    Stateless apart from the store (which checkpoints itself), so no ``state_dict``. Thread
+    Stateless apart from the store, so no ``state_dict``: the labels are saved by the store
+    (``CaptionStore.save``) or in the ``state_dict()`` of the
+    :class:`~torchrl_oni.annotation.LLMAnnotationTransform` that fills it, never twice. Thread
     safety is the store's: lookups are reads.
+
+    **Copies.** A deep copy in this process reads the same live store (a
+    :class:`~torchrl_oni.store.CaptionStore` deep-copies to itself). A pickled reward (a
+    ``ParallelEnv`` worker, a collector worker, ``torch.save``) reads a snapshot of the store taken
+    when it was pickled, and says so the first time it computes (:data:`SNAPSHOT_WARNING`; a
+    ``UserWarning``, or a log record in TorchRL's workers, which silence every warning): labels
+    that arrive later are not seen there.
 
     Args:
         store: a :class:`LabelLookup`.
@@ -53,9 +96,18 @@ class RetrievalReward:
 
     def __init__(self, store: LabelLookup):
         self.store = store
+        self._snapshot_warned = False
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_snapshot_warned"] = False  # a copy in another process says it again, once
+        return state
 
     def __call__(self, messages: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
         """``(uint8[N,256], int64[N]) -> float32[N]``, before count scaling."""
+        if not self.__dict__.get("_snapshot_warned", False) and getattr(self.store, "is_snapshot", False):
+            self._snapshot_warned = True
+            _say(SNAPSHOT_WARNING.format(cls=type(self).__name__))
         hashes = torch.as_tensor(hashes, dtype=torch.int64).reshape(-1)
         if hashes.numel() == 0:
             return torch.zeros(0, dtype=torch.float32)

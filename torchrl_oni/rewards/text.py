@@ -258,6 +258,8 @@ class MiniLMTokenVectors:
     """all-MiniLM-L6-v2's WordPiece tokenizer and static token-embedding table (384-d).
 
     Loaded offline, once per process (~50 MB read). Sub-word pieces of a word all contribute.
+    A copy (``copy.deepcopy``, pickle) names the directory only and uses its process's loaded
+    table: pickles stay small, and a copy in another process reads the files there.
 
     Args:
         model_dir: a directory with ``tokenizer.json`` and ``model.safetensors``; by default
@@ -273,6 +275,12 @@ class MiniLMTokenVectors:
         self.stopwords = frozenset(stopwords)
         self.dim = int(self.table.shape[1])
         self._lock = threading.Lock()  # tokenizers' Tokenizer is not documented thread-safe
+
+    def __getstate__(self) -> dict:
+        return {"model_dir": str(self.model_dir), "stopwords": self.stopwords}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_dir"], stopwords=state["stopwords"])
 
     def token_ids(self, text: str) -> List[int]:
         """WordPiece ids of the content words of ``text`` (no specials, punctuation, stopwords)."""
@@ -319,6 +327,17 @@ class _TextCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+
+    def __getstate__(self) -> dict:
+        with self._lock:
+            state = dict(self.__dict__)
+            state["_rows"] = OrderedDict(self._rows)
+        del state["_lock"]  # a copy has a lock of its own
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def get_many(self, texts: Sequence[str]) -> List[Optional[np.ndarray]]:
         out = []
@@ -397,6 +416,8 @@ class MiniLMEncoder(_CachedEncoder):
     """all-MiniLM-L6-v2 sentence embeddings (384-d): tokenizer + BertModel + mean pooling + L2.
 
     The model is loaded once per (directory, device) and process, and shared by every instance.
+    A copy (``copy.deepcopy``, pickle) keeps the settings and the cache, not the model: it uses
+    its process's loaded one (read from the same directory in another process).
 
     Args:
         model_dir: a directory with ``config.json``, the tokenizer files and
@@ -425,6 +446,18 @@ class MiniLMEncoder(_CachedEncoder):
         self.model_dir, (self.tokenizer, self.model, self._run_lock) = load_minilm("transformer", model_dir,
                                                                                   device=self.device)
         self.dim = int(self.model.config.hidden_size)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in ("tokenizer", "model", "_run_lock"):
+            del state[name]
+        state["model_dir"] = str(self.model_dir)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.model_dir, (self.tokenizer, self.model, self._run_lock) = load_minilm(
+            "transformer", state["model_dir"], device=self.device)
 
     @staticmethod
     def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -462,6 +495,15 @@ class HashedSentenceEncoder(_CachedEncoder):
         self.vectors = HashedWordVectors(dim=dim)
         self.dim = int(dim)
         self._lock = threading.Lock()  # HashedWordVectors' word cache is a plain dict
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def _compute(self, texts: List[str]) -> np.ndarray:
         with self._lock:

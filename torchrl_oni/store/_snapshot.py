@@ -17,6 +17,10 @@ key                value
 Statuses are saved as their :class:`~torchrl_oni.store.status.Status` numbers, pending rows as
 unseen (pending work is not finished work). Retry backoffs are not saved: a loaded store hands
 its failed rows out at once.
+
+The same dict is the store's ``state_dict()`` (``load_state_dict`` restores it in place, so every
+holder of the store sees the rows) and what a pickled store carries (a snapshot: see "Copies and
+processes" in :class:`~torchrl_oni.store.CaptionStore`).
 """
 from __future__ import annotations
 
@@ -110,38 +114,122 @@ class _SnapshotMethods:
         if not path.is_file():
             raise FileNotFoundError(f"no CaptionStore file at {path}")
         data = safe_torch_load(path, what="CaptionStore file")
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise UnreadableFileError(f"{path} is not a CaptionStore file")
-        if data.get("version") != _VERSION:
-            raise UnreadableFileError(f"{path}: unsupported CaptionStore version {data.get('version')}")
-        try:
-            config = dict(data["config"])
-            captions, pairs = data["captions"], data["pairs"]
-            size = len(captions[CAPTION_HASH_KEY])
-            n_pairs = len(pairs["slot_a"])
-            options = {k: config[k] for k in ("max_attempts", "retry_backoff_s", "claim_order")}
-        except (KeyError, TypeError) as err:
-            raise UnreadableFileError(f"{path} is a damaged CaptionStore file (no {err})") from None
+        parsed = _parse_snapshot(data, str(path))
+        config = parsed["config"]
+        options = {k: config[k] for k in ("max_attempts", "retry_backoff_s", "claim_order")}
         options.update(kwargs)
         store = cls(
-            capacity=max(capacity or config["capacity"], size, 1),
+            capacity=max(capacity or config["capacity"], parsed["size"], 1),
             storage=storage,
             scratch_dir=scratch_dir,
-            pair_capacity=max(config["pair_capacity"], n_pairs, 1),
+            pair_capacity=max(config["pair_capacity"], parsed["n_pairs"], 1),
             **options,
         )
-        store._provenance_table = ProvenanceTable([Provenance(*p) for p in data["provenances"]])
-        store.error_counts = dict(data["error_counts"])
-        if size:
-            slots = store._captions.append({k: v.numpy() for k, v in captions.items()}, size)
-            store._index = _HashIndex.from_arrays(captions[CAPTION_HASH_KEY].numpy(), slots)
-        if n_pairs:
-            store._pairs.append({k: v.numpy() for k, v in pairs.items()}, n_pairs)
-            store._pair_index = {
-                key: i for i, key in enumerate(zip(pairs["slot_a"].tolist(), pairs["slot_b"].tolist()))
-            }
-        store.release_pending()
+        store._fill(parsed)
         return store
+
+    # ------------------------------------------------------------------ state_dict
+    def state_dict(self) -> dict:
+        """The store's rows, provenances and error counts, as :meth:`save` writes them.
+
+        Plain tensors and Python data (``torch.load(weights_only=True)`` reads it back); captions
+        pending at this moment are saved as unseen, so they are asked again after a restore.
+        """
+        return self._snapshot()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replaces the store's contents, in place, with a :meth:`state_dict` (or a saved file's data).
+
+        Everything holding this store (a reward, an annotation transform) sees the restored rows.
+        The store keeps its own settings (storage, ``max_attempts``, backoffs, claim order) and its
+        capacity, grown to the rows when needed. Pending captions come back unseen. Meant for the
+        start of a run: a caption labelled meanwhile by a worker that is running is written by
+        hash into the restored rows, a pair answered meanwhile is dropped.
+
+        Raises:
+            UnreadableFileError: (a ``ValueError``) ``state`` is not a CaptionStore state.
+        """
+        parsed = _parse_snapshot(state, "the state")
+        with self._lock:
+            old = (self._captions, self._pairs)
+            self._install_tables(
+                old[0].replaced(max(old[0].capacity, parsed["size"], 1)),
+                old[1].replaced(max(old[1].capacity, parsed["n_pairs"], 1)))
+            self._fill(parsed)
+        for table in old:
+            table.discard()
+
+    def _fill(self, parsed: dict) -> None:
+        """Writes a parsed snapshot into the (empty) tables; pending rows come back unseen."""
+        with self._lock:
+            captions, pairs = parsed["captions"], parsed["pairs"]
+            size, n_pairs = parsed["size"], parsed["n_pairs"]
+            self._provenance_table = ProvenanceTable([Provenance(*p) for p in parsed["provenances"]])
+            self.error_counts = dict(parsed["error_counts"])
+            if size:
+                slots = self._captions.append({k: v.numpy() for k, v in captions.items()}, size)
+                self._index = _HashIndex.from_arrays(captions[CAPTION_HASH_KEY].numpy(), slots)
+            if n_pairs:
+                self._pairs.append({k: v.numpy() for k, v in pairs.items()}, n_pairs)
+                self._pair_index = {
+                    key: i for i, key in enumerate(zip(pairs["slot_a"].tolist(), pairs["slot_b"].tolist()))
+                }
+            self.release_pending()
+
+    # ------------------------------------------------------------------ copies
+    def __copy__(self):
+        return self  # a shared resource: see "Copies and processes" in the class docstring
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __getstate__(self) -> dict:
+        # pickling (another process, torch.save) carries a snapshot; the lock is recreated
+        return {
+            "snapshot": self._snapshot(),
+            "storage": self.storage_kind,
+            "server_retry_s": self.server_retry_s,
+            "origin_pid": self._origin_pid,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        parsed = _parse_snapshot(state["snapshot"], "the pickled CaptionStore")
+        config = parsed["config"]
+        # a snapshot never writes into the live store's scratch folder: memmap goes to a temporary one
+        self.__init__(
+            capacity=max(config["capacity"], parsed["size"], 1),
+            storage=state["storage"],
+            pair_capacity=max(config["pair_capacity"], parsed["n_pairs"], 1),
+            max_attempts=config["max_attempts"],
+            retry_backoff_s=config["retry_backoff_s"],
+            claim_order=config["claim_order"],
+            server_retry_s=state["server_retry_s"],
+        )
+        self._fill(parsed)
+        self._origin_pid = state["origin_pid"]
+        self._unpickled = True
+
+
+def _parse_snapshot(data, source: str) -> dict:
+    """Checks a snapshot dict (:meth:`_SnapshotMethods._snapshot`'s layout) and unpacks it."""
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise UnreadableFileError(f"{source} is not a CaptionStore file")
+    if data.get("version") != _VERSION:
+        raise UnreadableFileError(f"{source}: unsupported CaptionStore version {data.get('version')}")
+    try:
+        config = dict(data["config"])
+        captions, pairs = data["captions"], data["pairs"]
+        size = len(captions[CAPTION_HASH_KEY])
+        n_pairs = len(pairs["slot_a"])
+        missing = [k for k in ("capacity", "pair_capacity", "max_attempts", "retry_backoff_s", "claim_order")
+                   if k not in config]
+        if missing:
+            raise KeyError(missing[0])
+        provenances, error_counts = data["provenances"], data["error_counts"]
+    except (KeyError, TypeError) as err:
+        raise UnreadableFileError(f"{source} is a damaged CaptionStore file (no {err})") from None
+    return {"config": config, "captions": captions, "pairs": pairs, "size": size, "n_pairs": n_pairs,
+            "provenances": provenances, "error_counts": error_counts}
 
 
 def _write_snapshot(snapshot: dict, file) -> None:

@@ -104,7 +104,8 @@ class _Table:
     copy; peak memory is briefly 3x the old table).
     """
 
-    def __init__(self, fields: dict, capacity: int, storage: str, scratch_dir: Optional[str], name: str):
+    def __init__(self, fields: dict, capacity: int, storage: str, scratch_dir: Optional[str], name: str,
+                 generation: int = 0):
         if storage not in ("tensor", "memmap"):
             raise ValueError(f"storage must be 'tensor' or 'memmap', got {storage!r}")
         if capacity < 1:
@@ -114,8 +115,23 @@ class _Table:
         self.scratch_dir = scratch_dir
         self.name = name
         self.size = 0
-        self._generation = 0
+        self._generation = int(generation)
         self._build(int(capacity))
+
+    def _scratch(self) -> Optional[str]:
+        if self.storage_kind == "memmap" and self.scratch_dir is not None:
+            return os.path.join(self.scratch_dir, f"{self.name}-{self._generation}")
+        return None
+
+    def replaced(self, capacity: int) -> "_Table":
+        """An empty table of the same columns and storage, in files of its own (memmap)."""
+        return _Table(self.fields, capacity, self.storage_kind, self.scratch_dir, self.name, self._generation + 1)
+
+    def discard(self) -> None:
+        """Removes this table's files from the scratch folder (memmap; the table is unusable after)."""
+        scratch = self._scratch()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def _row_template(self, n: int) -> TensorDict:
         data = {}
@@ -125,10 +141,7 @@ class _Table:
 
     def _build(self, capacity: int) -> None:
         if self.storage_kind == "memmap":
-            scratch = None
-            if self.scratch_dir is not None:
-                scratch = os.path.join(self.scratch_dir, f"{self.name}-{self._generation}")
-            storage = LazyMemmapStorage(capacity, scratch_dir=scratch)
+            storage = LazyMemmapStorage(capacity, scratch_dir=self._scratch())
         else:
             storage = LazyTensorStorage(capacity)
         rb = TensorDictReplayBuffer(storage=storage, batch_size=1)
@@ -155,9 +168,7 @@ class _Table:
             return
         new_capacity = max(2 * self.capacity, self.size + n_new)
         old_rows = self.rows(np.arange(self.size))
-        old_scratch = None
-        if self.storage_kind == "memmap" and self.scratch_dir is not None:
-            old_scratch = os.path.join(self.scratch_dir, f"{self.name}-{self._generation}")
+        old_scratch = self._scratch()
         self._generation += 1
         self._build(new_capacity)
         if self.size:

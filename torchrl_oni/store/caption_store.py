@@ -5,6 +5,7 @@ columns of its two tables in :mod:`torchrl_oni.store.captions` and :mod:`torchrl
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -44,6 +45,16 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
             ``"most_seen"`` (default: the captions covering most steps are labelled first, ties
             oldest-first) or ``"oldest"`` (insertion order).
         pair_capacity (int): initial number of pair rows (doubles when full).
+
+    **Copies and processes.** A store is a shared, thread-safe resource (like a file): it is
+    never duplicated by accident. ``copy.copy`` and ``copy.deepcopy`` return the store itself,
+    so a deep copy of a transform or reward source made in this process (TorchRL makes them:
+    ``MultiAsyncCollector`` deep-copies its ``postproc``) reads and fills the same live store.
+    Pickling (another process: a ``ParallelEnv`` factory or a collector worker under spawn,
+    ``torch.save``) carries a **snapshot**: the rows as :meth:`save` writes them (pending
+    captions unseen), a lock of its own, a temporary folder for memmap storage;
+    :attr:`is_snapshot` is then True, and labels written later to the live store are not seen.
+    An independent copy on purpose: ``CaptionStore().load_state_dict(store.state_dict())``.
 
     Its methods, by audience: the trainer and the annotation worker
     (:class:`~torchrl_oni.store.captions._CaptionMethods`), the pair ranking
@@ -86,8 +97,16 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
         self.server_retry_s = float(server_retry_s)
         self.claim_order = claim_order
         self._lock = threading.RLock()
-        self._captions = _Table(CAPTION_FIELDS, capacity, storage, scratch_dir, "captions")
-        self._pairs = _Table(PAIR_FIELDS, pair_capacity, storage, scratch_dir, "pairs")
+        # the live store's process; a store unpickled elsewhere (or forked) is a snapshot of it
+        self._origin_pid = os.getpid()
+        self._unpickled = False
+        self._install_tables(_Table(CAPTION_FIELDS, capacity, storage, scratch_dir, "captions"),
+                             _Table(PAIR_FIELDS, pair_capacity, storage, scratch_dir, "pairs"))
+
+    def _install_tables(self, captions: _Table, pairs: _Table) -> None:
+        """Starts over on two empty tables: no index, provenances, queues or error counts yet."""
+        self._captions = captions
+        self._pairs = pairs
         self._index = _HashIndex()
         self._pair_index: Dict[Tuple[int, int], int] = {}
         self._provenance_table = ProvenanceTable()
@@ -115,6 +134,12 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
     def provenances(self) -> List[Provenance]:
         """The provenance table; a row's ``provenance`` field indexes it."""
         return list(self._provenance_table.provenances)
+
+    @property
+    def is_snapshot(self) -> bool:
+        """True for a copy that no longer follows the live store: unpickled (another process,
+        ``torch.load``) or inherited by a forked process. Readers (``RetrievalReward``) say so."""
+        return self._unpickled or os.getpid() != self._origin_pid
 
     @property
     def lock(self) -> threading.RLock:

@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 from torchrl.envs.transforms import Transform
 
 from torchrl_oni.captions import CAPTION_HASH_KEY, GOAL_EMBEDDING_KEY, MESSAGE_KEY
+from torchrl_oni.transform_keys import KeyedTransform, KeyRole, alias_property
 
 __all__ = ["GoalEmbeddingTransform", "SharedGoalEmbeddings", "remove_stale_tables"]
 
@@ -257,7 +258,7 @@ class SharedGoalEmbeddings:
         return torch.from_numpy(out)
 
 
-class GoalEmbeddingTransform(Transform):
+class GoalEmbeddingTransform(KeyedTransform, Transform):
     """Writes ``goal_embedding`` (``float32[*B, D]``) at acting time, in the env workers.
 
     Captions each observation with the same :class:`~torchrl_oni.envs.state_captions.StateCaptioner`
@@ -265,10 +266,21 @@ class GoalEmbeddingTransform(Transform):
     goal embedding from a :class:`SharedGoalEmbeddings` (zeros until the trainer has published
     it). Declared in the observation spec, so a policy built from the env's specs can read it.
 
+    Copies (``copy.deepcopy``, pickle: a ``ParallelEnv`` factory, a collector worker) read the
+    same shared table: it pickles as its files' path.
+
     Args:
         shared: the table the trainer's :class:`~torchrl_oni.rewards.ellm.ELLMReward` publishes to.
         include_message, include_pets: must match the trainer's captioner.
-        out_key: the observation key.
+        out_key: alias of ``out_keys[0]``.
+        in_keys (list of NestedKey): the message, ``blstats`` and ``crop`` observations (3 keys;
+            default ``["message", "blstats", "crop"]``); the caption hash is read from
+            ``"caption_hash"`` when present.
+        out_keys (list of NestedKey): the one observation key written (default
+            ``["goal_embedding"]``).
+
+    Keys can be changed later with :meth:`set_keys` (roles ``message``, ``blstats``, ``crop``,
+    ``goal_embedding``).
 
     Example:
         >>> from torchrl.envs import TransformedEnv
@@ -280,18 +292,26 @@ class GoalEmbeddingTransform(Transform):
         >>> env.close()
     """
 
+    _IN_ROLES = (KeyRole("message", MESSAGE_KEY, None),
+                 KeyRole("blstats", "blstats", None),
+                 KeyRole("crop", "crop", None))
+    _OUT_ROLES = (KeyRole("goal_embedding", GOAL_EMBEDDING_KEY, "out_key"),)
+
+    out_key = alias_property("goal_embedding", "out_keys", 0, "``out_keys[0]``: the goal embedding written.")
+
     def __init__(self, shared: SharedGoalEmbeddings, *, include_message: bool = False,
-                 include_pets: bool = False, out_key: str = GOAL_EMBEDDING_KEY):
+                 include_pets: bool = False, out_key: Optional[str] = None, in_keys=None, out_keys=None):
         from torchrl_oni.envs.state_captions import StateCaptioner
 
-        super().__init__(in_keys=[MESSAGE_KEY, "blstats", "crop"], out_keys=[out_key])
+        in_keys, out_keys = self._resolve_keys(in_keys, out_keys, {"out_key": out_key})
+        super().__init__(in_keys=in_keys, out_keys=out_keys)
         self.shared = shared
-        self.out_key = out_key
         self.captioner = StateCaptioner(include_message=include_message, include_pets=include_pets)
 
     def _embed(self, td: TensorDictBase) -> TensorDictBase:
-        blstats = td.get("blstats")
-        caps = self.captioner(td.get(MESSAGE_KEY), blstats, td.get("crop"), td.get(CAPTION_HASH_KEY, None))
+        message_key, blstats_key, crop_key = self.in_keys
+        blstats = td.get(blstats_key)
+        caps = self.captioner(td.get(message_key), blstats, td.get(crop_key), td.get(CAPTION_HASH_KEY, None))
         value = self.shared.get(caps.hashes).reshape(*blstats.shape[:-1], self.shared.dim)
         td.set(self.out_key, value.to(blstats.device))
         return td
@@ -305,14 +325,14 @@ class GoalEmbeddingTransform(Transform):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         self._embed(tensordict)
         nxt = tensordict.get("next", None)
-        if isinstance(nxt, TensorDictBase) and "blstats" in nxt.keys():
+        if isinstance(nxt, TensorDictBase) and self.in_keys[1] in nxt.keys(True):
             self._embed(nxt)
         return tensordict
 
     def transform_observation_spec(self, observation_spec):
         from torchrl.data import Unbounded
 
-        shape = observation_spec["blstats"].shape[:-1] + (self.shared.dim,)
+        shape = observation_spec[self.in_keys[1]].shape[:-1] + (self.shared.dim,)
         observation_spec[self.out_key] = Unbounded(shape=shape, dtype=torch.float32,
                                                    device=observation_spec.device)
         return observation_spec
