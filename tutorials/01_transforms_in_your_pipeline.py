@@ -157,7 +157,9 @@ env.close()                        # closes the stack too: the annotation thread
 #
 # Put the stack on the **outer** env: the workers step the games, and counting, labelling and the
 # reward run in this process, where the store lives. (Inside a worker factory the annotation
-# transform refuses to be copied into another process, with an error naming this fix.) The same
+# transform refuses to be copied into another process, with an error naming this fix.) A worker
+# process has imported neither NLE nor `torchrl_oni`, so name the id with its module
+# (`"nle:NetHackScore-v0"`, `"torchrl_oni:NetHackScore-v1"`): gymnasium imports it first. The same
 # stack also serves `NLEBatchEnv`, which steps K games in one process about 10× faster per frame
 # and writes `caption_hash` and `msg_count` itself; the stack leaves them.
 
@@ -167,7 +169,7 @@ from torchrl.envs import ParallelEnv
 from torchrl_oni.envs import NLEBatchEnv
 
 with oni_transforms(annotator=ScriptedAnnotator()) as par_oni:
-    parallel = TransformedEnv(ParallelEnv(PARALLEL_WORKERS, partial(GymEnv, "NetHackScore-v0")), par_oni)
+    parallel = TransformedEnv(ParallelEnv(PARALLEL_WORKERS, partial(GymEnv, "nle:NetHackScore-v0")), par_oni)
     par = parallel.rollout(100 if SMALL else 1000, break_when_any_done=False)
     parallel.close()
     print("ParallelEnv:", par.batch_size, "msg_count", tuple(par["msg_count"].shape), "store:", len(par_oni.store))
