@@ -275,3 +275,17 @@ def test_the_offline_motif_chain_on_a_real_run_folder(tmp_path, capsys):
     rows = read_metrics(str(motif_run))
     assert rows and rows[-1]["frames"] >= 1024
     assert "reward/intrinsic_mean" in rows[-1] and np.isfinite(rows[-1]["reward/intrinsic_mean"])
+
+
+def test_a_reward_model_that_barely_moved_is_reported(tmp_path, capsys):
+    """Motif's --lr 1e-5 on a few hundred pairs leaves the model at its start (val loss ln 2): said once."""
+    pairs, _, _ = _pairs_file(tmp_path, n=300)
+    annotations = tmp_path / "a.npz"
+    assert annotate_pairs_main([str(pairs), "--out", str(annotations), "--annotator", "scripted"]) == 0
+    capsys.readouterr()
+    assert train_reward_main([str(pairs), str(annotations), "--out", str(tmp_path / "slow.pt"), "--epochs", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "barely moved from its start" in err and "--lr 1e-05" in err
+    assert train_reward_main([str(pairs), str(annotations), "--out", str(tmp_path / "fit.pt"), "--epochs", "30",
+                              "--lr", "1e-2"]) == 0
+    assert "barely moved" not in capsys.readouterr().err

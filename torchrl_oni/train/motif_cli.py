@@ -38,6 +38,7 @@ import asyncio
 import importlib
 import inspect
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -457,6 +458,12 @@ def train_reward_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"train pairs {m['train_pairs']}, val pairs {m['val_pairs']}, "
               f"val loss {m['val_loss']:.4f}, val accuracy {m['val_accuracy']:.3f} -> {args.out} "
               f"(use it: oni-train --intrinsic-reward motif --reward-model {args.out})")
+        if m["val_pairs"] and abs(m["val_loss"] - math.log(2)) < 1e-3:
+            # a constant reward scores ln 2 on every pair: the model has not moved from its start
+            print(f"oni-train-reward: warning: the reward model barely moved from its start (val loss "
+                  f"{m['val_loss']:.4f} ≈ ln 2, what a constant reward scores): {m['train_pairs']} pairs are too few for --lr {args.lr:g} over --epochs "
+                  f"{args.epochs}; raise --lr (1e-3 learns on a few hundred pairs) or collect more pairs",
+                  file=sys.stderr, flush=True)
 
     return _run_cli("oni-train-reward", _train_args, body, argv)
 
