@@ -54,22 +54,11 @@ from torchrl.data import Unbounded
 from torchrl.envs.transforms import Transform
 
 from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_messages
+from ..transform_keys import KeyedTransform, KeyRole
 
 __all__ = ["CopyAliasedObservations", "CaptionHash", "MessageCounter"]
 
 log = logging.getLogger(__name__)
-
-
-def _one_key(keys, default, alias, name: str, kind: str):
-    """``in_keys``/``out_keys`` of a one-key transform, with the older keyword as an alias."""
-    if keys is None:
-        return alias if alias is not None else default
-    keys = [keys] if isinstance(keys, (str, tuple)) else list(keys)
-    if len(keys) != 1:
-        raise ValueError(f"{name} takes exactly one of {kind}, got {keys}")
-    if alias is not None and alias != keys[0]:
-        raise ValueError(f"{name}: {kind}={keys} and the alias {alias!r} disagree; give one of them")
-    return keys[0]
 
 
 def _storage_pointers(td: TensorDictBase) -> Dict[object, int]:
@@ -137,7 +126,7 @@ class CopyAliasedObservations(Transform):
         return tensordict
 
 
-class CaptionHash(Transform):
+class CaptionHash(KeyedTransform, Transform):
     """Adds ``caption_hash``: the stable 64-bit hash of each ``message`` (int64, one per game).
 
     The hash is the one the store, the rewards and :class:`~torchrl_oni.envs.NLEBatchEnv` use
@@ -148,7 +137,8 @@ class CaptionHash(Transform):
 
     Args:
         in_keys: the message key (default ``["message"]``, uint8[..., 256]).
-        out_keys: the hash key (default ``["caption_hash"]``).
+        out_keys: the hash key (default ``["caption_hash"]``). ``set_keys(message=...,
+            caption_hash=...)`` changes them later, as on TorchRL's losses.
 
     Example:
         >>> import torch
@@ -160,10 +150,12 @@ class CaptionHash(Transform):
         True
     """
 
+    _IN_ROLES = (KeyRole("message", MESSAGE_KEY),)
+    _OUT_ROLES = (KeyRole("caption_hash", CAPTION_HASH_KEY),)
+
     def __init__(self, in_keys=None, out_keys=None):
-        in_key = _one_key(in_keys, MESSAGE_KEY, None, "CaptionHash", "in_keys")
-        out_key = _one_key(out_keys, CAPTION_HASH_KEY, None, "CaptionHash", "out_keys")
-        super().__init__(in_keys=[in_key], out_keys=[out_key])
+        in_keys, out_keys = self._resolve_keys(in_keys, out_keys, {})
+        super().__init__(in_keys=in_keys, out_keys=out_keys)
 
     def _hash(self, messages: torch.Tensor) -> torch.Tensor:
         if messages.dtype != torch.uint8 or messages.shape[-1:] != (MESSAGE_LEN,):
@@ -203,7 +195,7 @@ class CaptionHash(Transform):
         return observation_spec
 
 
-class MessageCounter(Transform):
+class MessageCounter(KeyedTransform, Transform):
     """Adds ``msg_count``: how often this exact caption was seen in the current episode.
 
     Keyed on ``caption_hash``; the reset observation counts (it gives 1), as in ONI. One table
@@ -225,7 +217,8 @@ class MessageCounter(Transform):
         out_keys: the count key (default ``["msg_count"]``).
 
     Keyword Args:
-        in_key, out_key: the same, as single names (the older keywords).
+        in_key, out_key: the same, as single names (the older keywords). ``set_keys(caption_hash=...,
+            msg_count=...)`` changes them later.
 
     Example:
         >>> from torchrl.envs import Compose, GymEnv, TransformedEnv
@@ -236,11 +229,13 @@ class MessageCounter(Transform):
         >>> env.close()
     """
 
+    _IN_ROLES = (KeyRole("caption_hash", CAPTION_HASH_KEY, "in_key"),)
+    _OUT_ROLES = (KeyRole("msg_count", MSG_COUNT_KEY, "out_key"),)
+
     def __init__(self, in_keys=None, out_keys=None, *, in_key: Optional[str] = None,
                  out_key: Optional[str] = None):
-        hash_key = _one_key(in_keys, CAPTION_HASH_KEY, in_key, "MessageCounter", "in_keys")
-        count_key = _one_key(out_keys, MSG_COUNT_KEY, out_key, "MessageCounter", "out_keys")
-        super().__init__(in_keys=[hash_key], out_keys=[count_key])
+        in_keys, out_keys = self._resolve_keys(in_keys, out_keys, {"in_key": in_key, "out_key": out_key})
+        super().__init__(in_keys=in_keys, out_keys=out_keys)
         self._tables: Optional[List[dict]] = None
         self._last: Optional[List[int]] = None
         self._passthrough = False
