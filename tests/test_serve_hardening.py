@@ -155,6 +155,109 @@ def test_reachable_address_needs_a_key_or_an_explicit_opt_out():
 
 
 # ---------------------------------------------------------------------------------------------
+# browsers: Host (DNS rebinding) and cross-site POSTs
+# ---------------------------------------------------------------------------------------------
+async def _request_with(url, method="GET", headers=None, data=None):
+    """``(status, payload)`` of one request with exactly these headers (aiohttp adds Host only
+    when it is not given)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, url, headers=headers or {}, data=data,
+                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            text = await resp.text()
+            try:
+                return resp.status, json.loads(text)
+            except ValueError:
+                return resp.status, text
+
+
+def _with(url, method="GET", headers=None, data=None):
+    return asyncio.run(_request_with(url, method, headers, data))
+
+
+BODY = json.dumps({"prompt": PROMPT, "max_tokens": 1})
+JSON = {"Content-Type": "application/json"}
+
+
+def test_without_a_key_foreign_host_headers_are_refused_on_every_route():
+    """DNS rebinding: a page on attacker.example re-points its name at 127.0.0.1 and becomes a
+    same-origin client of the port; its requests still say Host: attacker.example."""
+    with _serve() as server:
+        port = server.port
+        for path, method, data in (("/v1/models", "GET", None), ("/health", "GET", None),
+                                   ("/v1/completions", "POST", BODY),
+                                   ("/v1/chat/completions", "POST", json.dumps({"messages": [
+                                       {"role": "user", "content": "hi"}]}))):
+            url = f"http://127.0.0.1:{port}{path}"
+            status, body = _with(url, method, {"Host": f"attacker.example:{port}", **JSON}, data)
+            _assert_openai_error(status, body, 403, code="host_not_allowed")
+            assert "attacker.example" in body["error"]["message"] and "--allowed-host" in body["error"]["message"]
+            for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}"):
+                assert _with(url, method, {"Host": host, **JSON}, data)[0] == 200, (path, host)
+        assert _health(server)["requests"] == 8  # 4 loopback Hosts x 2 POST routes: refusals did no work
+
+
+def test_posts_must_be_json_from_the_same_origin_key_or_no_key():
+    for kw, auth in (({}, {}), ({"api_key": KEY}, {"Authorization": f"Bearer {KEY}"})):
+        with _serve(**kw) as server:
+            url = server.url + "/completions"
+            for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+                status, body = _with(url, "POST", {"Content-Type": kind, **auth}, BODY)
+                _assert_openai_error(status, body, 415, code="unsupported_media_type")
+            status, body = _with(url, "POST", auth, BODY.encode())  # no Content-Type at all
+            _assert_openai_error(status, body, 415)
+            status, body = _with(url, "POST", {"Origin": "http://attacker.example", **JSON, **auth}, BODY)
+            _assert_openai_error(status, body, 403, code="cross_origin")
+            assert _health(server)["requests"] == 0
+            same = f"http://127.0.0.1:{server.port}"
+            assert _with(url, "POST", {"Origin": same, **JSON, **auth}, BODY)[0] == 200
+            assert _with(url, "POST", {"Content-Type": "application/json; charset=utf-8", **auth}, BODY)[0] == 200
+
+
+def test_with_a_key_any_host_name_reaches_the_server_unless_names_are_configured():
+    # the key is the gate: clients may name the server as they like (gpu-node, an IP, a tunnel)
+    with start_embedded_server(backend="scripted", host="0.0.0.0", api_key=KEY) as server:
+        url = server.url + "/models"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert _with(url, headers={"Host": "gpu-node:8000", **auth})[0] == 200
+        assert _with(url, headers={"Host": "gpu-node:8000"})[0] == 401
+    with start_embedded_server(backend="scripted", host="0.0.0.0", api_key=KEY,
+                               allowed_hosts=["gpu-node"]) as server:
+        url = server.url + "/models"
+        assert _with(url, headers={"Host": "gpu-node:8000", **auth})[0] == 200
+        assert _with(url, headers={"Host": "other-node:8000", **auth})[0] == 403
+
+
+def test_without_a_key_the_bound_address_and_allowed_names_are_accepted():
+    with start_embedded_server(backend="scripted", host="0.0.0.0", insecure_no_auth=True,
+                               allowed_hosts=["gpu-node", "10.1.2.3"]) as server:
+        url = server.url + "/models"
+        for host, status in (("gpu-node:8000", 200), ("GPU-NODE", 200), ("10.1.2.3:8000", 200),
+                             ("0.0.0.0:8000", 403), ("attacker.example", 403)):
+            assert _with(url, headers={"Host": host})[0] == status, host
+    with start_embedded_server(backend="scripted", host="0.0.0.0", insecure_no_auth=True,
+                               allowed_hosts=["*"]) as server:
+        assert _with(server.url + "/models", headers={"Host": "anything.example"})[0] == 200
+
+
+def test_cli_allowed_host_reaches_the_server():
+    proc = subprocess.Popen([sys.executable, "-m", "torchrl_oni.serve", "--backend", "scripted",
+                             "--port", "0", "--allowed-host", "gpu-node"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), proc.stderr.read() if not url else url
+        assert _with(url + "/models", headers={"Host": "gpu-node"})[0] == 200
+        assert _with(url + "/models", headers={"Host": "attacker.example"})[0] == 403
+        assert _with(url + "/completions", "POST", {"Content-Type": "text/plain"}, BODY)[0] == 415
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
 # queue bound and disconnected clients
 # ---------------------------------------------------------------------------------------------
 def test_full_queue_answers_503_with_retry_after():
@@ -271,7 +374,7 @@ def _closed_by_server(sock, trickle: bytes = b"", timeout=5.0) -> float:
 
 def test_half_sent_request_heads_are_dropped():
     with _serve(read_timeout=0.5) as server:
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         stalled = [_connect(server) for _ in range(20)]
         for sock in stalled:
             sock.sendall(head[:30])
@@ -289,7 +392,7 @@ def test_half_sent_request_heads_are_dropped():
 def test_half_sent_body_gets_408():
     with _serve(read_timeout=0.5) as server:
         sock = _connect(server)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                      b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
         start = time.monotonic()
         sock.settimeout(5)
@@ -310,7 +413,7 @@ def test_half_sent_body_gets_408():
 def test_idle_keep_alive_connection_is_closed_after_the_read_timeout():
     with _serve(read_timeout=0.5) as server:
         sock = _connect(server)
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         sock.settimeout(5)
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         assert 0.3 < _closed_by_server(sock) < 3.0
@@ -335,7 +438,7 @@ def test_body_over_the_limit_is_413_with_or_without_content_length():
                     yield big[i:i + 8192].encode()
 
             async with aiohttp.ClientSession() as session:
-                async with session.post(url, data=parts()) as resp:
+                async with session.post(url, data=parts(), headers={"Content-Type": "application/json"}) as resp:
                     return resp.status, await resp.json()
 
         status, body = asyncio.run(chunked())
@@ -470,6 +573,7 @@ def _one_error_line(proc):
     (["--startup-timeout", "inf"], {}, "positive"),
     (["--backend", "vllm", "--model", "m", "--max-queue", "3"], {}, "--max-queue"),
     (["--backend", "scripted", "--vllm-command", "x"], {}, "--vllm-command"),
+    (["--backend", "scripted", "--allowed-host", "http://x/"], {}, "not a host name"),
     (["--backend", "vllm", "--model", "m", "--vllm-command", "x", "--", "--api-key", "k"], {},
      "not after '--'"),
     (["--backend", "vllm", "--model", "m", "--vllm-command", "/nonexistent/vllm-server"], {},

@@ -18,6 +18,11 @@ Access: on any address but loopback (127.0.0.1, ::1, localhost) an API key is re
 (the OpenAI client's ``api_key``, ``OPENAI_API_KEY``); ``/health`` stays open. vLLM gets the key
 as ``VLLM_API_KEY``.
 
+Browsers: without an API key the server answers only requests whose ``Host`` header names a
+loopback host, ``--host`` or an ``--allowed-host`` (a page that re-points its own name at
+127.0.0.1, DNS rebinding, is refused), and every POST must be ``Content-Type: application/json``
+from the same origin (cross-site forms are refused), key or no key.
+
 Limits (embedded and scripted backends): at most ``--max-queue`` requests wait for the model
 (more get 503 with ``Retry-After``), the work of a client that disconnects is dropped, a client
 has ``--read-timeout`` seconds to send its request, and bodies over ``--max-body-mb`` get 413.
@@ -85,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the key clients must send as 'Authorization: Bearer KEY' "
                              f"(default: ${API_KEY_ENV}, which keeps it out of 'ps'); required "
                              "on a non-loopback --host")
+    parser.add_argument("--allowed-host", type=_host_arg, nargs="+", default=[], metavar="NAME",
+                        help="Host header names accepted besides loopback names and --host (default: "
+                             "none; '*': any). Without an API key other names are refused (DNS "
+                             "rebinding); with one any name is, unless this is given")
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve a non-loopback --host without an API key (trusted networks "
                              "only: anyone who reaches the port can use the model)")
@@ -150,6 +159,13 @@ def _positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number")
     return value
+
+
+def _host_arg(text: str) -> str:
+    # a host name or address as a Host header names it (no port, scheme or path)
+    if text != "*" and (not text or "/" in text or not all("!" <= ch <= "~" for ch in text)):
+        raise argparse.ArgumentTypeError(f"not a host name: {text!r}")
+    return text
 
 
 def _api_key(text: str) -> str:
@@ -313,7 +329,7 @@ def _serve_embedded(args, api_key: Optional[str], signals: _StopSignals) -> None
                 insecure_no_auth=args.insecure_no_auth,
                 max_queue=args.max_queue or DEFAULT_MAX_QUEUE,
                 read_timeout=args.read_timeout or DEFAULT_READ_TIMEOUT,
-                max_body_bytes=max(1, max_body),
+                max_body_bytes=max(1, max_body), allowed_hosts=args.allowed_host,
             )
         except BaseException as err:  # handed to the main thread
             loaded["error"] = err
