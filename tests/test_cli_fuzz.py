@@ -375,6 +375,11 @@ def _misc_cases():
         ("oni-serve", ["--backend", "scripted", "--", "--x"], None, None),
         ("oni-serve", ["--api-key", "a b"], None, None),
         ("oni-serve", ["--backend", "vllm", "--max-queue", "3"], None, None),
+        ("oni-serve", ["--backend", "vllm", "--model", "m", "--", "--host", "0.0.0.0"], "--host", None),
+        ("oni-serve", ["--backend", "vllm", "--model", "m", "--", "--port=1"], "--port", None),
+        ("oni-serve", ["--backend", "vllm", "--model", "m", "--max-body-mb", "3"], "--max-body-mb", None),
+        ("oni-serve", ["--allowed-host", "http://x/"], "--allowed-host", None),
+        ("oni-serve", ["--allowed-host", ""], "--allowed-host", None),
     ]
     return out
 
