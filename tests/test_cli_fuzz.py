@@ -62,7 +62,12 @@ HOSTILE_YAML = {
     "tab indentation": "env:\n\ttask: score\n",
     "duplicate anchors and a long key": "k" * 100_000 + ": 1\n",
     "a long string value": "env:\n  task: " + "x" * 100_000 + "\n",
+    "ellm settings without ellm": "reward:\n  intrinsic_reward: retrieval\n  ellm:\n    goals_per_state: 3\n",
+    "huge lr": "ppo:\n  lr: 1.0e+11\n",
+    "huge seed": "seed: 1.0e+30\n",
 }
+HOSTILE_YAML_NAMES = {"ellm settings without ellm": "--ellm-goals-per-state", "huge lr": "--lr", "huge seed": "--seed"}
+"""The flag a hostile file's error line must name, where one is to blame."""
 
 
 OK_OR_ERROR = "ok or one error line"
@@ -183,7 +188,9 @@ def _damaged_file_cases():
                      ["{run}", "--caption-store", "{bad}", "--no-progress", "--episodes", "1"]],
         "oni-replay": [["{bad}", "-o", "{tmp}/out.html"]],
         "oni-plot": [["{badrun}", "-o", "{tmp}/out.png"]],
-        "oni-train": [["--config", "{bad}"]],
+        "oni-train": [["--config", "{bad}"],
+                      ["--intrinsic-reward", "ellm", "--annotator", "scripted", "--ellm-encoder", "hashed",
+                       "--ellm-goal-table", "{bad}", "--logdir", "{tmp}/run"]],
         "oni-collect-pairs": [["{bad}", "--out", "{tmp}/p.npz", "--num-pairs", "2"],
                               (["{bad}", "--out", "{tmp}/p.npz", "--num-pairs", "2"], ".pt"),
                               ["{badstorerun}", "--out", "{tmp}/p.npz", "--num-pairs", "2"]],
@@ -207,6 +214,13 @@ def _damaged_file_cases():
                     empty_config = prog == "oni-train" and damage == "empty" and fmt != "config.yaml"
                     cases.append((prog, template, OK_OR_ERROR if cut_csv or empty_config else None,
                                   {"format": fmt, "damage": damage, "suffix": own_suffix}))
+    # the screens kept beside a caption store, read by oni-train --human-feedback (oni-label's
+    # --screens above): {bad:store} is the store whose <store>.screens.pt is the damaged file
+    for fmt in FORMATS:
+        for damage in DAMAGES:
+            cases.append(("oni-train", ["--intrinsic-reward", "retrieval", "--annotator", "scripted", "--human-feedback",
+                                        "--caption-store", "{bad:store}", "--logdir", "{tmp}/run"], None,
+                          {"format": fmt, "damage": damage, "suffix": ".screens.pt"}))
     return cases
 
 
@@ -241,6 +255,9 @@ def _path_cases():
         ("oni-collect-pairs", ["{messages.txt}", "--out", "{metrics.csv}/p.npz", "--num-pairs", "2"], None, None),
         ("oni-train-reward", ["{pairs.npz}", "{annotations.npz}", "--out", "{tmp}"], None, None),
     ]
+    # a goal table that is not there is a new one (fine), a folder is not a table
+    out.append(("oni-train", ["--intrinsic-reward", "ellm", "--annotator", "scripted", "--ellm-encoder", "hashed",
+                              "--ellm-goal-table", "{tmp}", "--logdir", "{tmp}/run"], "goal table", None))
     return out
 
 
@@ -313,19 +330,27 @@ def _number_cases():
                 if (key, flag) == ("oni-label", "--port") and value in ("0",):
                     continue
                 expect = flag if value not in ("abc", "") else None
-                if prog == "oni-train":
-                    # train/config.py's checks (owned elsewhere): not every message names its flag, and
-                    # no upper bounds on --frames, --lr, --minibatch-size...: a huge value may be taken
-                    expect = OK_OR_ERROR if value == "100000000000" else None
                 out.append((prog, base + [flag, value], expect, None))
     return out
 
 
 def _misc_cases():
-    out = [("oni-train", ["--config", "{yaml:" + name + "}"], None, None) for name in HOSTILE_YAML]
+    out = [("oni-train", ["--config", "{yaml:" + name + "}"], HOSTILE_YAML_NAMES.get(name), None)
+           for name in HOSTILE_YAML]
     out += [
         ("oni-train", ["--task", "chess"], "chess", None),
         ("oni-train", ["--config", "{config.yaml}", "--preset", "oni"], None, None),
+        # a setting of another reward type than the run's is refused, not ignored
+        ("oni-train", ["--ellm-goal-table", "{goals.pt}"], "--ellm-goal-table", None),
+        ("oni-train", ["--intrinsic-reward", "retrieval", "--ellm-goal-table", "{tmp}/g.pt"], "--ellm-goal-table",
+         None),
+        ("oni-train", ["--ellm-goal-conditioned"], "--ellm-goal-conditioned", None),
+        ("oni-train", ["--ranking-pairs", "3", "--intrinsic-reward", "classification"], "--ranking-pairs", None),
+        # sizes whose product is too large, each within its own range
+        ("oni-train", ["--workers", "4096", "--envs-per-worker", "2"], "--workers", None),
+        ("oni-train", ["--workers", "1", "--envs-per-worker", "4096", "--rollout", "1000", "--frames", "1e10"], "--rollout",
+         None),
+
         ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,
                                 "--annotator-kwargs", '{"nope": 1}'], "--annotator", None),
         ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,
@@ -383,6 +408,11 @@ def _misc_cases():
         ("oni-serve", ["--backend", "scripted", "--", "--x"], None, None),
         ("oni-serve", ["--api-key", "a b"], None, None),
         ("oni-serve", ["--backend", "vllm", "--max-queue", "3"], None, None),
+        ("oni-serve", ["--backend", "vllm", "--model", "m", "--", "--host", "0.0.0.0"], "--host", None),
+        ("oni-serve", ["--backend", "vllm", "--model", "m", "--", "--port=1"], "--port", None),
+        ("oni-serve", ["--backend", "vllm", "--model", "m", "--max-body-mb", "3"], "--max-body-mb", None),
+        ("oni-serve", ["--allowed-host", "http://x/"], "--allowed-host", None),
+        ("oni-serve", ["--allowed-host", ""], "--allowed-host", None),
     ]
     return out
 
@@ -491,6 +521,8 @@ def _fill(template, world, tmp_path, extra):
         if arg.startswith("{ep:"):
             out.append(str(world["eps"][arg[4:-1]]))
             continue
+        if bad is not None:
+            arg = arg.replace("{bad:store}", str(bad)[: -len(".screens.pt")] + ".pt")
         arg = arg.replace("{bad}", str(bad)).replace("{badrun}", str(tmp_path / "badrun"))
         arg = arg.replace("{badstorerun}", str(tmp_path / "badstorerun"))
         arg = arg.replace("{tmp}", str(tmp_path)).replace("{run}", str(run))

@@ -104,6 +104,41 @@ def test_validation_speaks_in_flags():
             TrainConfig(**settings).resolved().validate()
 
 
+def test_numbers_have_ranges_declared_once_and_shown_in_help():
+    """Upper bounds a run never needs to exceed (a typo caught before hours are spent), declared on
+    the leaves, checked for every source (flags, files, Python) and shown in --help."""
+    by_flag = {leaf.flag: leaf for leaf in TrainConfig.settings()}
+    for flag in ("--frames", "--lr", "--rm-lr", "--minibatch-size", "--llm-batch-size", "--checkpoint-every",
+                 "--workers", "--envs-per-worker", "--seed"):
+        assert by_flag[flag].at_most is not None, flag
+    help_text = " ".join(build_parser().format_help().split())
+    assert "range: [1, 1e10]" in help_text and "range: (0, 1]" in help_text
+    for settings, message in [
+        (dict(frames=2 * 10**10), "--frames must be at most 1e10, not 2e10"),
+        (dict(lr=3.0), "--lr must be at most 1, not 3"),
+        (dict(rm_lr=0.0), "--rm-lr must be positive, not 0"),
+        (dict(seed=-1), "--seed must be at least 0, not -1"),
+        (dict(workers=5000), "--workers must be at most 4096"),
+        (dict(workers=4096, envs_per_worker=2), "--workers × --envs-per-worker must be at most 4096"),
+        (dict(llm_batch_size=10**6), "--llm-batch-size must be at most 10000"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            TrainConfig(**settings).validate()
+        assert str(err.value).startswith(message), str(err.value)
+    assert TrainConfig.from_yaml("frames: 1.0e+11\n").frames == 10**11  # read as a whole number...
+    with pytest.raises(ValueError, match="--frames must be at most"):
+        TrainConfig.from_yaml("frames: 1.0e+11\n").validate()  # ...and refused by its range
+
+
+def test_settings_of_another_reward_type_are_refused_not_ignored():
+    with pytest.raises(ValueError, match="--ellm-goal-table needs --intrinsic-reward ellm, not 'none'"):
+        TrainConfig(ellm_goal_table="goals.pt").validate()
+    with pytest.raises(ValueError, match="--ranking-pairs needs --intrinsic-reward ranking, not 'classification'"):
+        TrainConfig(intrinsic_reward="classification", annotator="scripted", ranking_pairs=3).validate()
+    # a configuration file written by a run holds every section at its defaults: accepted
+    TrainConfig.from_yaml(TrainConfig(intrinsic_reward="bow").to_yaml()).validate()
+
+
 def test_presets_are_configurations():
     oni = PRESETS["oni"]
     assert isinstance(oni, TrainConfig) and oni.ppo.arch == "oni" and oni.ppo.lr == 1e-4

@@ -42,6 +42,135 @@ def test_check_backend_and_init_kwargs():
     assert not ray.is_initialized()
 
 
+def test_a_ray_without_token_auth_is_refused_in_one_line(monkeypatch, capsys):
+    from torchrl_oni.train import distributed
+    from torchrl_oni.train.cli import main
+
+    monkeypatch.setattr(distributed, "_has_token_auth", lambda: False)
+    with pytest.raises(ValueError, match="token authentication"):
+        check_backend("ray", "auto")
+    with pytest.raises(SystemExit) as stop:
+        main(["--backend", "ray", "--workers", "1", "--frames", "1024", "--envs-per-worker", "2"])
+    assert stop.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "ray[default]>=2.52" in err[0], err
+
+
+def _is_loopback(ip: str) -> bool:
+    import ipaddress
+
+    address = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def _listening(processes):
+    """``(process name, ip, port)`` of the TCP sockets ``processes`` listen on."""
+    import psutil
+
+    out = []
+    for proc in processes:
+        try:
+            out += [(proc.name(), c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet")
+                    if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def test_a_runs_own_ray_instance_listens_on_loopback_only_with_token_auth():
+    """No --ray-address: the Ray instance started for the run (GCS, raylet, workers, agents) has no
+    port on another address than the loopback, refuses clients without its token, keeps its
+    token file and session folder private, and leaves nothing behind."""
+    import os
+    import stat
+
+    psutil = pytest.importorskip("psutil")
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    from torchrl_oni.train.distributed import LOCAL_ONLY_ENV, _token_file, cluster_requires_auth
+
+    assert not ray.is_initialized()
+    me = psutil.Process()
+    children_before = {p.pid for p in me.children(recursive=True)}
+    mine_before = set(_listening([me]))
+    env_before = os.environ.get(LOCAL_ONLY_ENV)
+    cfg = TrainConfig(workers=1, envs_per_worker=2, rollout=8)
+    actor, _ = make_actor_critic(NLEBatchEnv("score", num_envs=1, seed=0))
+    collector = make_collector("ray", [make_env_factory(cfg, 0)], actor, frames_per_batch=16, total_frames=16 * 8)
+    root = collector.session_root
+    try:
+        assert next(iter(collector)).shape == (2, 8)  # an env actor is up and playing
+        started = [p for p in me.children(recursive=True) if p.pid not in children_before]
+        listening = _listening(started) + [row for row in _listening([me]) if row not in mine_before]
+        names = {name for name, _, _ in listening}
+        assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::") for n in names), listening
+        assert all(_is_loopback(ip) for _, ip, _ in listening), [row for row in listening if not _is_loopback(row[1])]
+        # token authentication on, the token file and the session folder private
+        assert get_authentication_mode() == AuthenticationMode.TOKEN
+        token = _token_file()
+        assert token is None or stat.S_IMODE(token.stat().st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+        assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+        assert cluster_requires_auth(ray.get_runtime_context().gcs_address) is True  # a client without the token
+        assert os.environ.get(LOCAL_ONLY_ENV) == env_before  # Ray's processes have it; this one is as it was
+    finally:
+        collector.shutdown()
+    assert not ray.is_initialized() and not os.path.exists(root)
+
+
+@pytest.fixture
+def open_head(tmp_path_factory):
+    """A Ray head started without token authentication (``RAY_AUTH_MODE=disabled``), on loopback,
+    in a folder of its own; its processes are stopped by that folder (never ``ray stop``, which
+    stops every Ray instance of the machine)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    psutil = pytest.importorskip("psutil")
+    from torchrl_oni.net import free_port
+    from torchrl_oni.train.distributed import LOCAL_ONLY_ENV
+
+    root = tmp_path_factory.mktemp("open-head")
+    port = free_port()
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", **{LOCAL_ONLY_ENV: "0"})
+    env.pop("RAY_AUTH_TOKEN", None)
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--num-cpus=0",
+                    "--include-dashboard=false", f"--temp-dir={root}/ray"], env=env, check=True, capture_output=True,
+                   timeout=120)
+    yield f"127.0.0.1:{port}"
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(root) in part for part in proc.info["cmdline"] or ()):
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_joining_a_cluster_without_token_auth_warns_once(open_head, monkeypatch, caplog):
+    from torchrl_oni.train import distributed
+
+    assert distributed.cluster_requires_auth(open_head) is False  # it answers a client without a token
+
+    class Stop(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(distributed, "RayEnvCollector", refuse)  # the check only: no actors
+    with caplog.at_level(logging.WARNING, logger="torchrl_oni.train"):
+        for _ in range(2):
+            with pytest.raises(Stop):
+                make_collector("ray", [], torch.nn.Linear(1, 1), frames_per_batch=8, total_frames=8,
+                               ray_address=open_head)
+    said = [r.getMessage() for r in caplog.records if "without a token" in r.getMessage()]
+    assert len(said) == 1 and "RAY_AUTH_MODE=token" in said[0] and "RAY_AUTH_TOKEN" in said[0], said
+    assert not ray.is_initialized()
+
+
 def _deterministic(actor, action: int):
     """A copy of ``actor`` whose logits are +50 on ``action`` and 0 elsewhere, whatever the input."""
     actor = copy.deepcopy(actor)

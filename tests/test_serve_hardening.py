@@ -155,6 +155,109 @@ def test_reachable_address_needs_a_key_or_an_explicit_opt_out():
 
 
 # ---------------------------------------------------------------------------------------------
+# browsers: Host (DNS rebinding) and cross-site POSTs
+# ---------------------------------------------------------------------------------------------
+async def _request_with(url, method="GET", headers=None, data=None):
+    """``(status, payload)`` of one request with exactly these headers (aiohttp adds Host only
+    when it is not given)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, url, headers=headers or {}, data=data,
+                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            text = await resp.text()
+            try:
+                return resp.status, json.loads(text)
+            except ValueError:
+                return resp.status, text
+
+
+def _with(url, method="GET", headers=None, data=None):
+    return asyncio.run(_request_with(url, method, headers, data))
+
+
+BODY = json.dumps({"prompt": PROMPT, "max_tokens": 1})
+JSON = {"Content-Type": "application/json"}
+
+
+def test_without_a_key_foreign_host_headers_are_refused_on_every_route():
+    """DNS rebinding: a page on attacker.example re-points its name at 127.0.0.1 and becomes a
+    same-origin client of the port; its requests still say Host: attacker.example."""
+    with _serve() as server:
+        port = server.port
+        for path, method, data in (("/v1/models", "GET", None), ("/health", "GET", None),
+                                   ("/v1/completions", "POST", BODY),
+                                   ("/v1/chat/completions", "POST", json.dumps({"messages": [
+                                       {"role": "user", "content": "hi"}]}))):
+            url = f"http://127.0.0.1:{port}{path}"
+            status, body = _with(url, method, {"Host": f"attacker.example:{port}", **JSON}, data)
+            _assert_openai_error(status, body, 403, code="host_not_allowed")
+            assert "attacker.example" in body["error"]["message"] and "--allowed-host" in body["error"]["message"]
+            for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}"):
+                assert _with(url, method, {"Host": host, **JSON}, data)[0] == 200, (path, host)
+        assert _health(server)["requests"] == 8  # 4 loopback Hosts x 2 POST routes: refusals did no work
+
+
+def test_posts_must_be_json_from_the_same_origin_key_or_no_key():
+    for kw, auth in (({}, {}), ({"api_key": KEY}, {"Authorization": f"Bearer {KEY}"})):
+        with _serve(**kw) as server:
+            url = server.url + "/completions"
+            for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+                status, body = _with(url, "POST", {"Content-Type": kind, **auth}, BODY)
+                _assert_openai_error(status, body, 415, code="unsupported_media_type")
+            status, body = _with(url, "POST", auth, BODY.encode())  # no Content-Type at all
+            _assert_openai_error(status, body, 415)
+            status, body = _with(url, "POST", {"Origin": "http://attacker.example", **JSON, **auth}, BODY)
+            _assert_openai_error(status, body, 403, code="cross_origin")
+            assert _health(server)["requests"] == 0
+            same = f"http://127.0.0.1:{server.port}"
+            assert _with(url, "POST", {"Origin": same, **JSON, **auth}, BODY)[0] == 200
+            assert _with(url, "POST", {"Content-Type": "application/json; charset=utf-8", **auth}, BODY)[0] == 200
+
+
+def test_with_a_key_any_host_name_reaches_the_server_unless_names_are_configured():
+    # the key is the gate: clients may name the server as they like (gpu-node, an IP, a tunnel)
+    with start_embedded_server(backend="scripted", host="0.0.0.0", api_key=KEY) as server:
+        url = server.url + "/models"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert _with(url, headers={"Host": "gpu-node:8000", **auth})[0] == 200
+        assert _with(url, headers={"Host": "gpu-node:8000"})[0] == 401
+    with start_embedded_server(backend="scripted", host="0.0.0.0", api_key=KEY,
+                               allowed_hosts=["gpu-node"]) as server:
+        url = server.url + "/models"
+        assert _with(url, headers={"Host": "gpu-node:8000", **auth})[0] == 200
+        assert _with(url, headers={"Host": "other-node:8000", **auth})[0] == 403
+
+
+def test_without_a_key_the_bound_address_and_allowed_names_are_accepted():
+    with start_embedded_server(backend="scripted", host="0.0.0.0", insecure_no_auth=True,
+                               allowed_hosts=["gpu-node", "10.1.2.3"]) as server:
+        url = server.url + "/models"
+        for host, status in (("gpu-node:8000", 200), ("GPU-NODE", 200), ("10.1.2.3:8000", 200),
+                             ("0.0.0.0:8000", 403), ("attacker.example", 403)):
+            assert _with(url, headers={"Host": host})[0] == status, host
+    with start_embedded_server(backend="scripted", host="0.0.0.0", insecure_no_auth=True,
+                               allowed_hosts=["*"]) as server:
+        assert _with(server.url + "/models", headers={"Host": "anything.example"})[0] == 200
+
+
+def test_cli_allowed_host_reaches_the_server():
+    proc = subprocess.Popen([sys.executable, "-m", "torchrl_oni.serve", "--backend", "scripted",
+                             "--port", "0", "--allowed-host", "gpu-node"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), proc.stderr.read() if not url else url
+        assert _with(url + "/models", headers={"Host": "gpu-node"})[0] == 200
+        assert _with(url + "/models", headers={"Host": "attacker.example"})[0] == 403
+        assert _with(url + "/completions", "POST", {"Content-Type": "text/plain"}, BODY)[0] == 415
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
 # queue bound and disconnected clients
 # ---------------------------------------------------------------------------------------------
 def test_full_queue_answers_503_with_retry_after():
@@ -271,7 +374,7 @@ def _closed_by_server(sock, trickle: bytes = b"", timeout=5.0) -> float:
 
 def test_half_sent_request_heads_are_dropped():
     with _serve(read_timeout=0.5) as server:
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         stalled = [_connect(server) for _ in range(20)]
         for sock in stalled:
             sock.sendall(head[:30])
@@ -289,7 +392,7 @@ def test_half_sent_request_heads_are_dropped():
 def test_half_sent_body_gets_408():
     with _serve(read_timeout=0.5) as server:
         sock = _connect(server)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                      b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
         start = time.monotonic()
         sock.settimeout(5)
@@ -310,7 +413,7 @@ def test_half_sent_body_gets_408():
 def test_idle_keep_alive_connection_is_closed_after_the_read_timeout():
     with _serve(read_timeout=0.5) as server:
         sock = _connect(server)
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         sock.settimeout(5)
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         assert 0.3 < _closed_by_server(sock) < 3.0
@@ -335,7 +438,7 @@ def test_body_over_the_limit_is_413_with_or_without_content_length():
                     yield big[i:i + 8192].encode()
 
             async with aiohttp.ClientSession() as session:
-                async with session.post(url, data=parts()) as resp:
+                async with session.post(url, data=parts(), headers={"Content-Type": "application/json"}) as resp:
                     return resp.status, await resp.json()
 
         status, body = asyncio.run(chunked())
@@ -470,6 +573,7 @@ def _one_error_line(proc):
     (["--startup-timeout", "inf"], {}, "positive"),
     (["--backend", "vllm", "--model", "m", "--max-queue", "3"], {}, "--max-queue"),
     (["--backend", "scripted", "--vllm-command", "x"], {}, "--vllm-command"),
+    (["--backend", "scripted", "--allowed-host", "http://x/"], {}, "not a host name"),
     (["--backend", "vllm", "--model", "m", "--vllm-command", "x", "--", "--api-key", "k"], {},
      "not after '--'"),
     (["--backend", "vllm", "--model", "m", "--vllm-command", "/nonexistent/vllm-server"], {},
@@ -641,13 +745,14 @@ def test_vllm_dies_with_a_killed_oni_serve(tmp_path):
 
 @needs_proc
 def test_vllm_gets_the_api_key_by_environment_and_is_probed_with_it(tmp_path):
-    with _fake_vllm_cli(tmp_path, "--host", "0.0.0.0", "--served-model-name", "llama",
+    with _fake_vllm_cli(tmp_path, "--served-model-name", "llama",
                         env=_cli_env(ONI_SERVE_API_KEY=KEY)) as (proc, record, _):
         url = proc.stdout.readline().strip()  # printed once the keyed probe succeeded
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
         seen = json.loads(record.read_text())
         assert seen["api_key"] == KEY and KEY not in seen["argv"]  # not visible in ps
         assert seen["argv"][:2] == ["--model", "org/m"] and "llama" in seen["argv"]
+        assert url == f"http://127.0.0.1:{seen['argv'][seen['argv'].index('--port') + 1]}/v1"  # vLLM itself
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert poll(lambda: not _running(seen["pid"]) and not _running(seen["worker"]))
@@ -662,3 +767,165 @@ def test_vllm_dying_at_start_is_one_error_line_and_leaves_nothing(tmp_path):
         assert "code 3" in line and "cuda not found" in line and "full log" in line
         pids = json.loads(record.read_text())
         assert poll(lambda: not _running(pids["worker"]))  # its group was stopped too
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM off loopback: on 127.0.0.1 behind oni-serve's guard (serve/proxy.py)
+# ---------------------------------------------------------------------------------------------
+INNER = "vllm-own-key"
+
+
+@contextmanager
+def _front(fake, **kw):
+    from torchrl_oni.serve.proxy import GuardedProxy
+
+    kw.setdefault("api_key", KEY)
+    host = kw.pop("host", "0.0.0.0")
+    insecure = kw.pop("insecure_no_auth", False)
+    proxy = GuardedProxy(fake.url, model="m", upstream_key=INNER, **kw)
+    handle = ServerHandle(proxy, host, 0, insecure_no_auth=insecure).start()
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_vllm_front_forwards_only_the_openai_routes_and_checks_the_key_on_every_one():
+    from torchrl_oni.testing import FakeLLMServer
+
+    with FakeLLMServer(models=("m",), api_key=INNER, vllm_routes=True) as vllm, _front(vllm) as front:
+        root = f"http://127.0.0.1:{front.port}"
+        # what the front closes: vLLM itself answers /invocations without any key
+        status, body = _with(f"http://127.0.0.1:{vllm.port}/invocations", "POST", JSON,
+                             json.dumps({"model": "m", "prompt": PROMPT}))
+        assert status == 200 and body["choices"][0]["text"]
+        assert vllm.open_route_calls == 1
+        for path, method in (("/invocations", "POST"), ("/tokenize", "POST"), ("/pooling", "POST"),
+                             ("/v1/embeddings", "POST"), ("/metrics", "GET"), ("/v1/models/../../tokenize", "POST")):
+            status, body = _with(root + path, method, JSON, BODY)
+            _assert_openai_error(status, body, 401, code="invalid_api_key")
+            status, body = _with(root + path, method, {"Authorization": f"Bearer {KEY}", **JSON}, BODY)
+            assert status in (404, 405), (path, status, body)
+        assert vllm.open_route_calls == 1  # none of them went through
+        for path, method, data in (("/v1/models", "GET", None), ("/v1/completions", "POST", BODY)):
+            _assert_openai_error(*_with(root + path, method, JSON, data), 401, code="invalid_api_key")
+        auth = {"Authorization": f"Bearer {KEY}", **JSON}
+        status, body = _with(root + "/v1/models", "GET", auth)
+        assert status == 200 and body["data"][0]["id"] == "m"
+        status, body = _with(root + "/v1/completions", "POST", auth,
+                             json.dumps({"model": "m", "prompt": [PROMPT], "max_tokens": 4}))
+        assert status == 200 and len(body["choices"]) == 1
+        status, body = _with(root + "/v1/chat/completions", "POST", auth, json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": PROMPT}]}))
+        assert status == 200 and body["choices"][0]["message"]["content"]
+        # vLLM saw its own key on every forwarded request, never the client's
+        assert set(vllm.authorization) == {f"Bearer {INNER}"}
+        assert _with(root + "/health")[0] == 200  # vLLM's health, open as the embedded server's
+
+
+def test_vllm_front_applies_the_guards_checks():
+    from torchrl_oni.testing import FakeLLMServer
+
+    with FakeLLMServer(models=("m",), api_key=INNER, vllm_routes=True) as vllm:
+        with _front(vllm, max_body_bytes=4096) as front:
+            url = f"http://127.0.0.1:{front.port}/v1/completions"
+            auth = {"Authorization": f"Bearer {KEY}"}
+            status, body = _with(url, "POST", {"Content-Type": "text/plain", **auth}, BODY)
+            _assert_openai_error(status, body, 415)
+            status, body = _with(url, "POST", {**JSON, **auth}, json.dumps({"model": "m", "prompt": "x" * 10_000}))
+            _assert_openai_error(status, body, 413, code="request_too_large")
+            status, body = _with(url, "POST", {"Origin": "http://attacker.example", **JSON, **auth}, BODY)
+            _assert_openai_error(status, body, 403, code="cross_origin")
+        assert vllm.requests == 0  # nothing reached vLLM
+        with _front(vllm, api_key=None, insecure_no_auth=True, allowed_hosts=["gpu-node"]) as front:
+            url = f"http://127.0.0.1:{front.port}/v1/models"
+            _assert_openai_error(*_with(url, headers={"Host": "attacker.example"}), 403, code="host_not_allowed")
+            assert _with(url, headers={"Host": "gpu-node:8000"})[0] == 200
+
+
+def test_vllm_front_drops_the_upstream_request_of_a_client_that_leaves_and_says_502_when_vllm_is_gone():
+    from torchrl_oni.testing import FakeLLMServer
+
+    with FakeLLMServer(models=("m",), api_key=INNER, mode="hang", hang_s=30) as vllm, _front(vllm) as front:
+        url = f"http://127.0.0.1:{front.port}/v1/completions"
+
+        async def leave_early():
+            async with aiohttp.ClientSession() as session:
+                with pytest.raises(asyncio.TimeoutError):
+                    await session.post(url, data=json.dumps({"model": "m", "prompt": PROMPT}),
+                                       headers={"Authorization": f"Bearer {KEY}", **JSON},
+                                       timeout=aiohttp.ClientTimeout(total=0.5))
+
+        asyncio.run(leave_early())
+        assert poll(lambda: vllm.disconnects == 1, timeout=10)  # vLLM saw its client go
+        vllm.stop()
+        status, body = _with(url, "POST", {"Authorization": f"Bearer {KEY}", **JSON}, BODY)
+        _assert_openai_error(status, body, 502, code="upstream_unavailable")
+
+
+def test_vllm_front_streams_a_streamed_answer():
+    from aiohttp import web
+
+    from torchrl_oni.net import AppThread
+    from torchrl_oni.serve.proxy import GuardedProxy
+
+    async def chat(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for word in ("yes", " it", " is"):
+            await resp.write(f"data: {json.dumps({'choices': [{'delta': {'content': word}}]})}\n\n".encode())
+            await asyncio.sleep(0.05)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    def make_app():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+    with AppThread(make_app, port=0) as upstream:
+        proxy = GuardedProxy(upstream.url + "/v1", model="m", api_key=KEY)
+        with ServerHandle(proxy, port=0).start() as front:
+            async def read():
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(front.url + "/chat/completions", headers={
+                            "Authorization": f"Bearer {KEY}", **JSON}, data=json.dumps(
+                            {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]})) as resp:
+                        assert resp.headers["Content-Type"] == "text/event-stream"
+                        return [line async for line in resp.content if line.strip()]
+
+            lines = asyncio.run(read())
+    assert len(lines) == 4 and lines[-1].strip() == b"data: [DONE]"
+
+
+@needs_proc
+def test_vllm_off_loopback_listens_on_loopback_behind_the_front(tmp_path):
+    with _fake_vllm_cli(tmp_path, "--host", "0.0.0.0", "--served-model-name", "llama",
+                        env=_cli_env(ONI_SERVE_API_KEY=KEY)) as (proc, record, _):
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1"), proc.stderr.read() if not url else url
+        seen = json.loads(record.read_text())
+        argv = seen["argv"]
+        assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv.count("--host") == 1  # vLLM: loopback only
+        inner_port = int(argv[argv.index("--port") + 1])
+        assert f":{inner_port}/" not in url  # clients reach the front, not vLLM
+        assert seen["api_key"] and seen["api_key"] != KEY  # vLLM has a key of its own
+        assert _call("GET", url + "/models")[0] == 401
+        status, _, body = _call("GET", url + "/models", key=KEY)
+        assert status == 200 and body["data"][0]["id"] == "llama"
+        assert _call("POST", url.replace("/v1", "/invocations"), {"prompt": "x"}, key=KEY)[0] == 404
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+        assert "127.0.0.1:" in err and "forwards" in err and KEY not in err
+        assert poll(lambda: not _running(seen["pid"]) and not _running(seen["worker"]))
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--", "--host", "0.0.0.0"], "give --host to oni-serve"),
+    (["--", "--port=9000"], "give --port to oni-serve"),
+    (["--read-timeout", "5"], "only off loopback"),
+])
+def test_vllm_flags_that_would_undo_the_front_are_refused(args, words):
+    line = _one_error_line(_cli("--backend", "vllm", "--model", "m", "--vllm-command", "/nonexistent/x", *args))
+    assert words in line

@@ -15,6 +15,9 @@ command-line flag          ``--`` + flat name with ``-`` for ``_`` (``rm_lr`` â†
 flat keyword construction  ``Config(rm_lr=1e-3)`` on a root made with :func:`flat_init`
 file format                :func:`to_dict` / :func:`from_dict` (nested or flat keys), YAML with
                            :func:`dump_yaml` / :func:`load_yaml`
+range                      ``at_least`` / ``above`` / ``at_most`` of :func:`setting`: checked by
+                           :func:`check_values` for every source (flags, files, Python) with one
+                           message naming the flag, and shown in ``--help``
 =========================  ==========================================================================
 
 The parser this builds uses ``argparse.SUPPRESS`` defaults, so only flags given on the command
@@ -25,7 +28,7 @@ Example:
     >>> @dataclass
     ... class Optim:
     ...     PREFIX = "opt"
-    ...     lr: float = setting(3e-4, "learning rate")
+    ...     lr: float = setting(3e-4, "learning rate", above=0, at_most=1)
     >>> @flat_init
     ... @dataclass
     ... class Run:
@@ -42,6 +45,8 @@ Example:
     0.001
     >>> to_dict(Run(steps=5))
     {'steps': 5, 'optim': {'lr': 0.0003}}
+    >>> list(check_values(Run(opt_lr=10.0)))
+    ['--opt-lr must be at most 1, not 10']
 """
 import argparse
 import copy
@@ -64,6 +69,8 @@ __all__ = [
     "load_yaml",
     "replace_flat",
     "parse_count",
+    "check_values",
+    "show_number",
 ]
 
 _META = "torchrl_oni.setting"
@@ -71,7 +78,8 @@ _META = "torchrl_oni.setting"
 
 def setting(default: Any = MISSING, help: str = "", *, choices: Union[Sequence, Callable[[], Sequence], None] = None,
             parse: Optional[Callable[[str], Any]] = None, aliases: Sequence[str] = (), metavar: Optional[str] = None,
-            nargs: Optional[str] = None, const: Any = None, secret: bool = False, default_factory: Any = MISSING):
+            nargs: Optional[str] = None, const: Any = None, secret: bool = False, default_factory: Any = MISSING,
+            at_least: Optional[float] = None, above: Optional[float] = None, at_most: Optional[float] = None):
     """A configuration leaf: a dataclass field carrying its help text and command-line details.
 
     Args:
@@ -84,9 +92,12 @@ def setting(default: Any = MISSING, help: str = "", *, choices: Union[Sequence, 
         metavar: the placeholder shown in ``--help``.
         nargs, const: as in argparse (``nargs="?"`` with ``const`` gives an optional value).
         secret: never written to files (:func:`to_dict` leaves it out): API keys.
+        at_least, above, at_most: the range of a number (``at_least``/``at_most`` inclusive,
+            ``above`` exclusive; None: open on that side), checked by :func:`check_values` and
+            shown in ``--help``. The single place a setting's bounds are declared.
     """
     meta = {_META: dict(help=help, choices=choices, parse=parse, aliases=tuple(aliases), metavar=metavar,
-                        nargs=nargs, const=const, secret=secret)}
+                        nargs=nargs, const=const, secret=secret, at_least=at_least, above=above, at_most=at_most)}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -108,10 +119,40 @@ class Leaf:
     nargs: Optional[str]
     const: Any
     secret: bool
+    at_least: Optional[float] = None
+    above: Optional[float] = None
+    at_most: Optional[float] = None
 
     @property
     def flag(self) -> str:
         return "--" + self.flat.replace("_", "-")
+
+    def range_text(self) -> Optional[str]:
+        """The declared range as an interval (``[1, 4096]``, ``(0, 1]``, ``>= 0``), or None.
+
+        >>> Leaf(("lr",), "lr", float, 3e-4, "", None, None, (), None, None, None, False, above=0,
+        ...      at_most=1).range_text()
+        '(0, 1]'
+        """
+        low = self.at_least if self.at_least is not None else self.above
+        if low is None and self.at_most is None:
+            return None
+        if self.at_most is None:
+            return f"{'>=' if self.above is None else '>'} {show_number(low)}"
+        if low is None:
+            return f"<= {show_number(self.at_most)}"
+        return f"{'[' if self.above is None else '('}{show_number(low)}, {show_number(self.at_most)}]"
+
+    def out_of_range(self, value) -> Optional[str]:
+        """One sentence naming the flag when ``value`` (a number) is outside the declared range."""
+        if self.at_least is not None and value < self.at_least:
+            return f"{self.flag} must be at least {show_number(self.at_least)}, not {show_number(value)}"
+        if self.above is not None and value <= self.above:
+            bound = "positive" if self.above == 0 else f"above {show_number(self.above)}"
+            return f"{self.flag} must be {bound}, not {show_number(value)}"
+        if self.at_most is not None and value > self.at_most:
+            return f"{self.flag} must be at most {show_number(self.at_most)}, not {show_number(value)}"
+        return None
 
     def allowed(self) -> Optional[Tuple]:
         """The allowed values (a lazily-filled registry is asked now), or None."""
@@ -322,6 +363,24 @@ def _sequence_item(tp):
     return None
 
 
+def show_number(value) -> str:
+    """A bound or a value as a person writes it, and as the command line reads it back: whole
+    numbers ending in many zeros in ``e`` notation.
+
+    >>> show_number(10_000_000_000), show_number(4096), show_number(1_048_576), show_number(3e-4), show_number(1.0)
+    ('1e10', '4096', '1048576', '0.0003', '1')
+    """
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        text = str(abs(value))
+        zeros = len(text) - len(text.rstrip("0"))
+        if len(text) > 6 and zeros >= 3:
+            return ("-" if value < 0 else "") + f"{text[: len(text) - zeros]}e{zeros}"
+        return str(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _show_default(value) -> str:
     if isinstance(value, (tuple, list)):
         return " ".join(map(str, value)) or "none"
@@ -368,7 +427,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls, defaults=None,
             groups[section] = parser if not section else parser.add_argument_group(".".join(section))
         group = groups[section]
         shown = leaf.get(defaults) if defaults is not None else leaf.default
-        help_text = f"{leaf.help} (default: {_show_default(shown)})"
+        span = leaf.range_text()
+        help_text = f"{leaf.help} ({f'range: {span}; ' if span else ''}default: {_show_default(shown)})"
         names = [leaf.flag, *leaf.aliases]
         tp, optional = _strip_optional(leaf.type)
         if tp is bool and not optional:
@@ -526,7 +586,8 @@ def load_yaml(cls, text: str, strict: bool = True):
 
 
 def check_values(root) -> Iterator[str]:
-    """One message per leaf whose value is not among its allowed values or not of its type."""
+    """One message per leaf whose value is not among its allowed values, not of its type or
+    outside its declared range (``at_least``, ``above``, ``at_most`` of :func:`setting`)."""
     for leaf in leaves(type(root)):
         value = leaf.get(root)
         tp, optional = _strip_optional(leaf.type)
@@ -540,10 +601,18 @@ def check_values(root) -> Iterator[str]:
             continue
         if tp is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
             yield f"{leaf.flag} must be a finite number, not {value!r}"
-        elif tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+            continue
+        if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
             if isinstance(value, float) and value.is_integer():
-                leaf.set(root, int(value))
+                value = int(value)
+                leaf.set(root, value)
             else:
                 yield f"{leaf.flag} must be a whole number, not {value!r}"
-        elif tp is bool and not isinstance(value, bool):
+                continue
+        if tp is bool and not isinstance(value, bool):
             yield f"{leaf.flag} must be true or false, not {value!r}"
+            continue
+        if tp in (int, float):
+            message = leaf.out_of_range(value)
+            if message:
+                yield message

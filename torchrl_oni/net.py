@@ -3,6 +3,11 @@
 * :func:`is_loopback` / :func:`check_exposure` — whether a bind address (or a URL's host) is
   reachable from this machine only, and the refusal to serve a reachable address without an
   API key (``oni-serve``, :class:`~torchrl_oni.serve.vllm.VLLMServer`).
+* :class:`HostCheck` / :func:`post_refusal` — what a browser could be made to send: a ``Host``
+  header naming another site (DNS rebinding turns a page on ``attacker.example`` into a client
+  of a loopback port), and cross-site POSTs that are not JSON (an HTML form or a ``text/plain``
+  ``fetch`` needs no CORS preflight). The labelling page and ``oni-serve`` (its embedded server
+  and its front for vLLM) refuse both with these.
 * :func:`free_port` — a TCP port to hand to a server that cannot pick its own.
 * :class:`AppThread` — an aiohttp application served from a daemon thread with its own event
   loop, so that the caller's thread stays free (a trainer, or a test that uses ``asyncio.run``).
@@ -31,11 +36,12 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
 from aiohttp import web
 
-__all__ = ["is_loopback", "check_exposure", "free_port", "AppThread", "ConnectionWatch"]
+__all__ = ["is_loopback", "check_exposure", "host_name", "HostCheck", "post_refusal", "free_port", "AppThread",
+           "ConnectionWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +83,81 @@ def check_exposure(host: str, api_key: Optional[str], insecure_no_auth: bool = F
         f"refusing to serve on {host or 'all interfaces'!r}, which other machines can reach, "
         "without an API key: set one (--api-key KEY or $ONI_SERVE_API_KEY; api_key= in Python) "
         "or pass --insecure-no-auth (insecure_no_auth=True) on a trusted network")
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+"""Bind addresses meaning every interface: no client names the server by them."""
+
+
+def host_name(host_header: Optional[str]) -> str:
+    """The host named by a ``Host`` header, lower case, without its port and brackets.
+
+    Example:
+        >>> [host_name(h) for h in ("127.0.0.1:8000", "[::1]:8000", "[::1]", "LocalHost", "gpu-node", None)]
+        ['127.0.0.1', '::1', '::1', 'localhost', 'gpu-node', '']
+    """
+    text = (host_header or "").strip().lower()
+    if text.startswith("["):
+        end = text.find("]")
+        return text[1:end] if end > 0 else ""
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+class HostCheck:
+    """The ``Host`` headers a server answers to: its defence against DNS rebinding.
+
+    A page on ``attacker.example`` whose name the attacker re-points at 127.0.0.1 becomes, for
+    the browser, a same-origin client of a loopback port; the one thing it cannot change is the
+    ``Host`` header, which still names ``attacker.example``. Accepted: loopback names and
+    addresses (:func:`is_loopback`), the address the server binds (unless it is a wildcard such
+    as ``0.0.0.0``, which no client sends), and the names in ``allowed`` (``"*"``: any).
+
+    Example:
+        >>> check = HostCheck("127.0.0.1")
+        >>> [check(h) for h in ("127.0.0.1:8000", "localhost:8000", "[::1]:80", "attacker.example:8000", "")]
+        [True, True, True, False, False]
+        >>> check = HostCheck("10.0.0.5", allowed=["gpu-node"])
+        >>> [check(h) for h in ("10.0.0.5:8000", "GPU-node:8000", "other-node:8000")], check.describe()
+        ([True, True, False], 'loopback names, 10.0.0.5, gpu-node')
+        >>> HostCheck("0.0.0.0", allowed=["*"])("anything:1")
+        True
+    """
+
+    def __init__(self, bound: str = "127.0.0.1", allowed: Sequence[str] = ()) -> None:
+        self.any = "*" in allowed
+        names = [host_name(f"[{bound}]" if ":" in bound.strip("[]") else bound)] \
+            if bound.strip() not in WILDCARD_HOSTS else []
+        names += [host_name(name) for name in allowed if name != "*"]
+        self.names = tuple(dict.fromkeys(n for n in names if n and not is_loopback(n)))
+
+    def __call__(self, host_header: Optional[str]) -> bool:
+        if self.any:
+            return True
+        name = host_name(host_header)
+        return bool(name) and (is_loopback(name) or name in self.names)
+
+    def describe(self) -> str:
+        """The accepted names, for an error message."""
+        return "any" if self.any else ", ".join(("loopback names",) + self.names)
+
+
+def post_refusal(request: web.Request) -> Optional[Tuple[int, str]]:
+    """``(status, reason)`` for a POST a browser could send from another site, else None.
+
+    A POST must say ``Content-Type: application/json`` (415 otherwise: HTML forms and
+    ``text/plain`` ``fetch`` calls, which browsers send cross-site without a CORS preflight, cannot
+    say it) and, when it has an ``Origin`` header, come from the server's own origin (403). Other
+    methods pass. Command-line and library clients (OpenAI's, aiohttp's ``json=``) send JSON and
+    no ``Origin``.
+    """
+    if request.method != "POST":
+        return None
+    if request.content_type != "application/json":
+        return 415, "send JSON (Content-Type: application/json)"
+    origin = request.headers.get("Origin")
+    if origin is not None and origin != f"{request.scheme}://{request.host}":
+        return 403, "cross-origin request refused"
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

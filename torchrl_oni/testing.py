@@ -35,6 +35,11 @@ requests queue). Like our embedded server, it stops working on a request whose c
 away (``disconnects`` counts them). ``api_key``: requests without ``Authorization: Bearer
 <api_key>`` get HTTP 401.
 
+``vllm_routes=True`` also serves what vLLM serves outside ``/v1``, where its ``--api-key`` does
+not reach: ``GET /health``, ``POST /invocations`` (completions, as SageMaker calls them),
+``POST /tokenize`` and ``POST /pooling``, all without a key (``open_route_calls`` counts the
+calls): the stand-in for vLLM behind ``oni-serve``'s guard.
+
 Example:
     >>> import json, urllib.request
     >>> with FakeLLMServer(models=("m",)) as server:
@@ -82,6 +87,7 @@ class FakeLLMServer:
         per_prompt_s: extra seconds of work per prompt of a request.
         serial: work on one request at a time (the others wait their turn).
         api_key: the bearer token requests must carry (``None``: no check).
+        vllm_routes: also serve vLLM's routes that its key does not guard (see the module docstring).
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class FakeLLMServer:
         per_prompt_s: float = 0.0,
         serial: bool = False,
         api_key: Optional[str] = None,
+        vllm_routes: bool = False,
     ) -> None:
         self.mode = mode
         self.models = tuple(models)
@@ -112,6 +119,8 @@ class FakeLLMServer:
         self.per_prompt_s = per_prompt_s
         self.serial = serial
         self.api_key = api_key
+        self.vllm_routes = vllm_routes
+        self.open_route_calls = 0  # calls of the vllm_routes, which need no key
         self.completed = 0  # completion requests answered (the client may have gone meanwhile)
         self.prompts_answered = 0
         self.batch_sizes: List[int] = []  # prompts of each completion request answered
@@ -171,7 +180,19 @@ class FakeLLMServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        if self.vllm_routes:
+            app.router.add_get("/health", self._open_route)
+            for path in ("/invocations", "/tokenize", "/pooling"):
+                app.router.add_post(path, self._open_route)
         return app
+
+    async def _open_route(self, request: web.Request) -> web.Response:
+        """vLLM's routes outside /v1: answered without a key (as vLLM does)."""
+        with self._lock:
+            self.open_route_calls += 1
+        if request.path == "/invocations":
+            return await self._completions(request, check_key=False)
+        return web.json_response({"path": request.path, "open": True})
 
     # ------------------------------------------------------------------ handlers
     def _unauthorized(self, request: web.Request) -> Optional[web.Response]:
@@ -224,9 +245,9 @@ class FakeLLMServer:
             self.requests += 1
             return self._fail_queue.pop(0) if self._fail_queue else self.mode
 
-    async def _read(self, request: web.Request):
+    async def _read(self, request: web.Request, check_key: bool = True):
         mode = self._next_mode()
-        refused = self._unauthorized(request)
+        refused = self._unauthorized(request) if check_key else None
         if refused is not None:
             return mode, None, refused
         payload = await request.json()
@@ -260,8 +281,8 @@ class FakeLLMServer:
             )
         return mode, payload, None
 
-    async def _completions(self, request: web.Request) -> web.Response:
-        mode, payload, early = await self._read(request)
+    async def _completions(self, request: web.Request, check_key: bool = True) -> web.Response:
+        mode, payload, early = await self._read(request, check_key)
         if early is not None:
             return early
         prompts = payload.get("prompt")

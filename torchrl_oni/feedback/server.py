@@ -76,7 +76,7 @@ from torchrl_oni.queries import select
 from torchrl_oni.annotators.base import FIRST, SECOND, TIE, Provenance
 from torchrl_oni.captions import decode_message
 from torchrl_oni.feedback.screens import ScreenSnapshots
-from torchrl_oni.net import AppThread, ConnectionWatch, is_loopback
+from torchrl_oni.net import AppThread, ConnectionWatch, HostCheck, is_loopback, post_refusal
 from torchrl_oni.store import HUMAN, LABELLED, CaptionStore
 
 __all__ = ["FeedbackServer", "serve_feedback", "HUMAN", "FEEDBACK_VERSION", "CAPTION_ANSWERS", "PAIR_ANSWERS"]
@@ -247,6 +247,7 @@ class FeedbackServer:
         self.port: Optional[int] = None
         self.token = token
         self.loopback = loopback
+        self._hosts = HostCheck(host)  # on loopback: DNS rebinding
         self.snapshots = snapshots
         self.scorer = scorer
         self.pair_scorer = pair_scorer
@@ -375,8 +376,7 @@ class FeedbackServer:
     def _host_ok(self, host_header: str) -> bool:
         if not self.loopback:
             return True  # off loopback the token is the gate
-        name = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
-        return is_loopback(name.strip("[]")) if name else False
+        return self._hosts(host_header)
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
@@ -390,12 +390,9 @@ class FeedbackServer:
                     given = request.headers.get(TOKEN_HEADER, "")
                     if not hmac.compare_digest(given.encode(), self.token.encode()):
                         raise _BadRequest("missing or wrong access token", 401)
-                if request.method == "POST":
-                    if request.content_type != "application/json":
-                        raise _BadRequest("send JSON (Content-Type: application/json)", 415)
-                    origin = request.headers.get("Origin")
-                    if origin is not None and origin != f"{request.scheme}://{request.host}":
-                        raise _BadRequest("cross-origin request refused", 403)
+                refused = post_refusal(request)
+                if refused is not None:
+                    raise _BadRequest(refused[1], refused[0])
             response = await handler(request)
         except _BadRequest as err:
             response = web.json_response({"error": str(err)}, status=err.status)

@@ -18,6 +18,18 @@ Access: on any address but loopback (127.0.0.1, ::1, localhost) an API key is re
 (the OpenAI client's ``api_key``, ``OPENAI_API_KEY``); ``/health`` stays open. vLLM gets the key
 as ``VLLM_API_KEY``.
 
+Browsers: without an API key the server answers only requests whose ``Host`` header names a
+loopback host, ``--host`` or an ``--allowed-host`` (a page that re-points its own name at
+127.0.0.1, DNS rebinding, is refused), and every POST must be ``Content-Type: application/json``
+from the same origin (cross-site forms are refused), key or no key.
+
+vLLM off loopback: vLLM's own key guards only ``/v1`` (``/invocations``, ``/tokenize``,
+``/pooling`` and more answer anyone), so with a non-loopback ``--host`` vLLM listens on 127.0.0.1
+at a free port with a random key of its own, and oni-serve listens on ``--host`` in front of it
+(:mod:`torchrl_oni.serve.proxy`): the key on every route but ``/health``, the checks above,
+``--read-timeout`` and ``--max-body-mb``, and only ``/v1/models``, ``/v1/completions`` and
+``/v1/chat/completions`` forwarded.
+
 Limits (embedded and scripted backends): at most ``--max-queue`` requests wait for the model
 (more get 503 with ``Retry-After``), the work of a client that disconnects is dropped, a client
 has ``--read-timeout`` seconds to send its request, and bodies over ``--max-body-mb`` get 413.
@@ -53,7 +65,10 @@ __all__ = ["main", "build_parser", "API_KEY_ENV"]
 
 PROG = "oni-serve"
 API_KEY_ENV = "ONI_SERVE_API_KEY"
-_EMBEDDED_ONLY = ("max_queue", "read_timeout", "max_body_mb")
+_EMBEDDED_ONLY = ("max_queue",)
+_SERVED_BY_US = ("read_timeout", "max_body_mb")  # vLLM: only where oni-serve fronts it (off loopback)
+_OURS_NOT_VLLMS = ("--host", "--port", "--api-key", "--uds", "--root-path")  # never after '--'
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the key clients must send as 'Authorization: Bearer KEY' "
                              f"(default: ${API_KEY_ENV}, which keeps it out of 'ps'); required "
                              "on a non-loopback --host")
+    parser.add_argument("--allowed-host", type=_host_arg, nargs="+", default=[], metavar="NAME",
+                        help="Host header names accepted besides loopback names and --host (default: "
+                             "none; '*': any). Without an API key other names are refused (DNS "
+                             "rebinding); with one any name is, unless this is given")
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve a non-loopback --host without an API key (trusted networks "
                              "only: anyone who reaches the port can use the model)")
@@ -150,6 +169,13 @@ def _positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number")
     return value
+
+
+def _host_arg(text: str) -> str:
+    # a host name or address as a Host header names it (no port, scheme or path)
+    if text != "*" and (not text or "/" in text or not all("!" <= ch <= "~" for ch in text)):
+        raise argparse.ArgumentTypeError(f"not a host name: {text!r}")
+    return text
 
 
 def _api_key(text: str) -> str:
@@ -258,6 +284,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
             fail(PROG, "give the API key to oni-serve (--api-key or $ONI_SERVE_API_KEY), not "
                        "after '--': oni-serve passes it to vLLM and needs it to probe readiness")
+        taken = next((a.split("=", 1)[0] for a in extra if a.split("=", 1)[0] in _OURS_NOT_VLLMS), None)
+        if taken:
+            fail(PROG, f"give {taken} to oni-serve, not after '--': oni-serve decides where vLLM listens "
+                       "(off loopback, on 127.0.0.1 behind oni-serve's guard)")
+        from torchrl_oni.net import is_loopback
+
+        given = [name for name in _SERVED_BY_US if getattr(args, name) is not None]
+        if given and is_loopback(args.host):
+            flag = "--" + given[0].replace("_", "-")
+            fail(PROG, f"{flag} applies to vLLM only off loopback, where oni-serve fronts it (vLLM has its "
+                       "own limits: pass its flags after '--')")
     elif args.vllm_command is not None:
         fail(PROG, "--vllm-command is only for --backend vllm")
     api_key = _resolve_api_key(args)
@@ -313,7 +350,7 @@ def _serve_embedded(args, api_key: Optional[str], signals: _StopSignals) -> None
                 insecure_no_auth=args.insecure_no_auth,
                 max_queue=args.max_queue or DEFAULT_MAX_QUEUE,
                 read_timeout=args.read_timeout or DEFAULT_READ_TIMEOUT,
-                max_body_bytes=max(1, max_body),
+                max_body_bytes=max(1, max_body), allowed_hosts=args.allowed_host,
             )
         except BaseException as err:  # handed to the main thread
             loaded["error"] = err
@@ -362,11 +399,25 @@ def _serve_vllm(args, extra: List[str], api_key: Optional[str], signals: _StopSi
             fail(PROG, "--vllm-command is empty")
     elif not vllm_available():
         fail(PROG, "vllm is not installed here (pip install vllm on a GPU node)")
-    server = VLLMServer(args.model, host=args.host, port=args.port,
-                        served_model_name=args.served_model_name, extra_args=extra,
-                        launcher=launcher, startup_timeout=args.startup_timeout,
-                        api_key=api_key, insecure_no_auth=args.insecure_no_auth)
+    from torchrl_oni.net import is_loopback
+
+    fronted = not is_loopback(args.host)
+    if fronted:
+        # vLLM's key guards only /v1 (/invocations, /tokenize... answer anyone): vLLM listens on
+        # loopback with a key of its own, and oni-serve's guard faces the network
+        import secrets
+
+        server = VLLMServer(args.model, host="127.0.0.1", port=0,
+                            served_model_name=args.served_model_name, extra_args=extra,
+                            launcher=launcher, startup_timeout=args.startup_timeout,
+                            api_key=secrets.token_urlsafe(32))
+    else:
+        server = VLLMServer(args.model, host=args.host, port=args.port,
+                            served_model_name=args.served_model_name, extra_args=extra,
+                            launcher=launcher, startup_timeout=args.startup_timeout,
+                            api_key=api_key, insecure_no_auth=args.insecure_no_auth)
     print(f"{PROG}: starting vLLM (log: {server.log_path}) ...", file=sys.stderr, flush=True)
+    front = None
     try:
         # Interruptible throughout: start() only spawns and polls (a signal inside Popen
         # leaves an unrecorded child, which the kernel's parent-death signal then stops).
@@ -378,13 +429,45 @@ def _serve_vllm(args, extra: List[str], api_key: Optional[str], signals: _StopSi
                 detail = f" (last log line: {last[0].strip()!r})" if last else ""
                 where = f"; full log: {err.log_path}" if err.log_path else ""
                 fail(PROG, f"vLLM did not start: {err.reason}{detail}{where}")
-            print(server.url, flush=True)
+            url = server.url
+            if fronted:
+                front = _front_vllm(args, server, api_key)
+                url = front.url
+            print(url, flush=True)
             print(_serving_message(server.served_model_name, api_key), file=sys.stderr,
                   flush=True)
             _wait_forever()
     finally:
         signals.hold()  # nothing may interrupt stopping vLLM's process group
+        if front is not None:
+            front.stop()
         server.stop()
+
+
+def _front_vllm(args, server, api_key: Optional[str]):
+    """oni-serve's guard in front of a vLLM on loopback (:mod:`torchrl_oni.serve.proxy`), where
+    ``--host`` says; returns its started :class:`~torchrl_oni.serve.embedded.ServerHandle`."""
+    from torchrl_oni.serve.embedded import ServerHandle
+    from torchrl_oni.serve.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
+    from torchrl_oni.serve.proxy import FORWARDED_ROUTES, GuardedProxy
+    from torchrl_oni.serve.vllm import wait_for_model
+
+    max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_mb is None else int(args.max_body_mb * 2 ** 20)
+    proxy = GuardedProxy(server.url, model=server.served_model_name, api_key=api_key,
+                         upstream_key=server.api_key, allowed_hosts=args.allowed_host,
+                         max_body_bytes=max(1, max_body), read_timeout=args.read_timeout or DEFAULT_READ_TIMEOUT)
+    try:
+        front = ServerHandle(proxy, args.host, args.port, insecure_no_auth=args.insecure_no_auth).start()
+    except (OSError, ValueError) as err:
+        fail(PROG, str(err))
+    try:
+        wait_for_model(front.url, server.served_model_name, timeout=30, api_key=api_key)
+    except TimeoutError as err:
+        front.stop()
+        fail(PROG, f"oni-serve's front of vLLM: {err}")
+    print(f"{PROG}: vLLM listens on 127.0.0.1:{server.port} only; {args.host}:{front.port} forwards "
+          f"{', '.join(path for _, path in FORWARDED_ROUTES)} to it", file=sys.stderr, flush=True)
+    return front
 
 
 if __name__ == "__main__":  # pragma: no cover

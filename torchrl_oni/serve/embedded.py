@@ -24,7 +24,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from torchrl_oni.net import AppThread, check_exposure
 # Names that moved to engines.py, http.py and torchrl_oni.net, importable from here as before:
@@ -75,6 +75,7 @@ class ServerHandle:
     def __init__(self, server: OpenAIServer, host: str = "127.0.0.1", port: int = 0, *,
                  insecure_no_auth: bool = False) -> None:
         check_exposure(host, server.api_key, insecure_no_auth)
+        server.serve_on(host)  # the bound address is a Host the server answers to
         self.server = server
         self.model = server.model
         self.host = host
@@ -128,6 +129,7 @@ def start_embedded_server(
     max_queue: int = DEFAULT_MAX_QUEUE,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_hosts: Sequence[str] = (),
 ) -> ServerHandle:
     """Loads the model and serves it in a background thread; returns once it accepts requests.
 
@@ -147,6 +149,9 @@ def start_embedded_server(
         max_queue: the most requests waiting for the model; more are answered 503.
         read_timeout: seconds a client may take to send its request.
         max_body_bytes: the largest request body accepted (413 beyond).
+        allowed_hosts: ``Host`` names accepted besides loopback names and ``host`` (``"*"``:
+            any); without ``api_key`` other names are refused (DNS rebinding), with one any
+            name is accepted unless these are given.
 
     Returns:
         A :class:`ServerHandle` (a context manager) with ``.url`` and ``.stop()``.
@@ -162,7 +167,7 @@ def start_embedded_server(
         engine.max_batch = min(engine.max_batch, max_batch)
     server = OpenAIServer(engine, served_name=served_name, max_batch=max_batch, api_key=api_key,
                           max_queue=max_queue, read_timeout=read_timeout,
-                          max_body_bytes=max_body_bytes)
+                          max_body_bytes=max_body_bytes, host=host, allowed_hosts=allowed_hosts)
     return ServerHandle(server, host, port, insecure_no_auth=insecure_no_auth).start()
 
 

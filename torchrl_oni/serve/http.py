@@ -11,8 +11,11 @@ Requests that arrive together with the same sampling settings are merged into on
 worker thread runs the engine (:mod:`torchrl_oni.serve.engines`), so the event loop stays
 responsive.
 
-Facing clients (see :class:`OpenAIServer`): an optional API key (``Authorization: Bearer``,
-required by :func:`~torchrl_oni.net.check_exposure` on any non-loopback address), a bounded queue
+Facing clients (see :class:`OpenAIServer`; the checks made before any work are
+:class:`ClientGuard`'s, shared with the front of vLLM in :mod:`torchrl_oni.serve.proxy`): an
+optional API key (``Authorization: Bearer``, required by :func:`~torchrl_oni.net.check_exposure`
+on any non-loopback address), without a key a ``Host`` header that names this server (DNS
+rebinding), POSTs that are JSON (cross-site forms), a bounded queue
 (503 + ``Retry-After``), the work of disconnected clients dropped, read timeouts for request
 heads and bodies (408), a body-size limit (413), prompt-size limits checked before and after
 tokenising, and every field validated (finite numbers in range): whatever a client sends, the
@@ -35,11 +38,12 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from aiohttp import web
 
-from torchrl_oni.net import ConnectionWatch
+from torchrl_oni.net import ConnectionWatch, HostCheck, post_refusal
 from torchrl_oni.serve.engines import Completion
 
 __all__ = [
     "OpenAIServer",
+    "ClientGuard",
     "RequestError",
     "DEFAULT_MAX_QUEUE",
     "DEFAULT_READ_TIMEOUT",
@@ -147,6 +151,128 @@ def _stops(body: dict) -> List[str]:
     return stops
 
 
+class ClientGuard:
+    """What every route of an ``oni-serve`` server checks before any work, answered as OpenAI-style
+    JSON errors; the embedded server (:class:`OpenAIServer`) and the front of vLLM
+    (:class:`~torchrl_oni.serve.proxy.GuardedProxy`) share it.
+
+    In order:
+
+    * ``Host`` (403, ``host_not_allowed``): without an API key, or when ``allowed_hosts`` is given,
+      the header must name a loopback host, the bound address or one of ``allowed_hosts``
+      (:class:`~torchrl_oni.net.HostCheck`; ``"*"`` accepts any). With a key the key is the gate
+      (a rebinding page cannot send it) and clients may use any name for the server.
+    * API key (401, ``invalid_api_key``): ``Authorization: Bearer <key>`` on every route but
+      ``open_paths``.
+    * POST (415 / 403): ``Content-Type: application/json`` from the same origin, key or no key
+      (:func:`~torchrl_oni.net.post_refusal`).
+    * size (413): a ``Content-Length`` over ``max_body_bytes`` before reading;
+      :meth:`read_body` reads within ``read_timeout`` (408) and ``max_body_bytes`` (chunked).
+    * connections: :meth:`watch` closes those that hold a half-sent request head, or sit idle,
+      for ``read_timeout`` seconds (:class:`~torchrl_oni.net.ConnectionWatch`).
+
+    Example:
+        >>> guard = ClientGuard(api_key=None, host="127.0.0.1")
+        >>> guard.hosts("attacker.example:8000"), guard.hosts("localhost:8000")
+        (False, True)
+        >>> ClientGuard(api_key="k", host="0.0.0.0").hosts is None  # the key is the gate
+        True
+    """
+
+    def __init__(self, api_key: Optional[str] = None, *, host: str = "127.0.0.1",
+                 allowed_hosts: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT, open_paths: Sequence[str] = ("/health",)) -> None:
+        if not read_timeout > 0 or max_body_bytes < 1:
+            raise ValueError("read_timeout and max_body_bytes must be positive")
+        self.api_key = api_key or None
+        self._key = self.api_key.encode("utf-8") if self.api_key else None
+        self.allowed_hosts = tuple(allowed_hosts)
+        self.max_body_bytes = int(max_body_bytes)
+        self.read_timeout = float(read_timeout)
+        self.open_paths = tuple(open_paths)
+        self.hosts: Optional[HostCheck] = None
+        self.serve_on(host)
+        self.connections = ConnectionWatch(self.read_timeout)
+
+    def serve_on(self, host: str) -> None:
+        """Sets the bound address (accepted as a ``Host``, with loopback names and ``allowed_hosts``)."""
+        self.host = host
+        self.hosts = HostCheck(host, self.allowed_hosts) if (self._key is None or self.allowed_hosts) else None
+
+    def middleware(self):
+        """An aiohttp middleware: the checks, then the handler; every failure a JSON error (a
+        :class:`RequestError` its status, the router's 404/405 theirs, anything else 500)."""
+
+        @web.middleware
+        async def guard(request: web.Request, handler):
+            conn = request.protocol
+            self.connections.enter(conn)
+            try:
+                self.check(request)
+                return await handler(request)
+            except RequestError as err:
+                return _error(err.status, str(err), err.param, err.code, err.headers)
+            except web.HTTPException as err:  # the router's 404 / 405
+                return _error(err.status, f"{err.reason}: {request.method} {request.path}")
+            except Exception as err:  # an engine failure: a JSON 500, the server keeps running
+                return _error(500, f"{type(err).__name__}: {err}")
+            finally:
+                self.connections.leave(conn)
+
+        return guard
+
+    def check(self, request: web.Request) -> None:
+        """Raises :class:`RequestError` for a request refused before any work."""
+        if self.hosts is not None and not self.hosts(request.host):
+            shown = (request.headers.get("Host") or "")[:80]
+            raise RequestError(f"unexpected Host header {shown!r}: this server answers to {self.hosts.describe()} "
+                               f"(oni-serve --allowed-host NAME adds a name)", status=403, code="host_not_allowed")
+        self.authorize(request)
+        refused = post_refusal(request)
+        if refused is not None:
+            status, reason = refused
+            raise RequestError(reason, status=status,
+                               code="unsupported_media_type" if status == 415 else "cross_origin")
+        size = request.content_length
+        if size is not None and size > self.max_body_bytes:
+            raise self.too_large(size)
+
+    def authorize(self, request: web.Request) -> None:
+        if self._key is None or request.path in self.open_paths:
+            return
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+                token.encode("utf-8", "replace"), self._key):
+            return
+        problem = "incorrect API key" if token else "no API key"
+        raise RequestError(
+            f"{problem}: this server needs 'Authorization: Bearer <key>' with its key "
+            "(OPENAI_API_KEY for OpenAI clients)", status=401, code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"})
+
+    def too_large(self, size: Optional[int] = None) -> RequestError:
+        what = f"request body of {size} bytes" if size is not None else "request body"
+        return RequestError(f"{what} exceeds this server's limit of {self.max_body_bytes} bytes",
+                            status=413, code="request_too_large")
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request body, read within ``read_timeout`` (408) and ``max_body_bytes`` (413; the
+        app must be made with ``client_max_size=max_body_bytes``)."""
+        try:
+            return await asyncio.wait_for(request.read(), self.read_timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(f"request body not received within {self.read_timeout:g} s",
+                               status=408, code="timeout") from None
+        except web.HTTPRequestEntityTooLarge:  # no Content-Length (chunked): found while reading
+            raise self.too_large() from None
+
+    async def watch(self, server: web.Server) -> None:
+        """Closes connections that hold no request in progress for ``read_timeout`` seconds (run
+        on the server's loop with its runner's ``server``, until cancelled)."""
+        await self.connections.watch(server)
+
+
 @dataclass
 class _Job:
     prompts: List[str]
@@ -164,6 +290,10 @@ class OpenAIServer:
 
     * ``api_key``: every route but ``/health`` needs ``Authorization: Bearer <key>`` (401,
       ``code: "invalid_api_key"``, otherwise).
+    * without a key, the ``Host`` header must name this server: a loopback name, the bound
+      address (``host``, which :class:`~torchrl_oni.serve.embedded.ServerHandle` sets) or one of
+      ``allowed_hosts`` (403); POSTs must be JSON from the same origin (415 / 403), key or no key
+      (:class:`ClientGuard`).
     * at most ``max_queue`` requests wait for the engine; more get 503 with ``Retry-After``.
     * a request whose client disconnects leaves the queue at once; its prompts are skipped or
       dropped from the running batch at the engine's next step (the runner must be made with
@@ -188,22 +318,27 @@ class OpenAIServer:
         max_body_bytes: the largest request body accepted.
         max_prompt_bytes: the longest prompt accepted, in UTF-8 bytes (default: the engine's
             ``max_prompt_bytes``; None: no limit but the body's).
+        host: the address the server binds (accepted as a ``Host`` header).
+        allowed_hosts: further ``Host`` names accepted (``"*"``: any); given, they are checked
+            with a key too.
     """
 
     def __init__(self, engine, served_name: Optional[str] = None, max_batch: int = 64,
                  max_prompts: int = 1024, *, api_key: Optional[str] = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, read_timeout: float = DEFAULT_READ_TIMEOUT,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 max_prompt_bytes: Optional[int] = None) -> None:
+                 max_prompt_bytes: Optional[int] = None, host: str = "127.0.0.1",
+                 allowed_hosts: Sequence[str] = ()) -> None:
         if max_queue < 1 or not read_timeout > 0 or max_body_bytes < 1:
             raise ValueError("max_queue, read_timeout and max_body_bytes must be positive")
+        self.guard = ClientGuard(api_key, host=host, allowed_hosts=allowed_hosts,
+                                 max_body_bytes=max_body_bytes, read_timeout=read_timeout)
         self.engine = engine
         self.model = served_name or engine.model_name
         self.accepted = {self.model, engine.model_name}
         self.max_batch = max_batch
         self.max_prompts = max_prompts
         self.api_key = api_key or None
-        self._key = self.api_key.encode("utf-8") if self.api_key else None
         self.max_queue = int(max_queue)
         self.read_timeout = float(read_timeout)
         self.max_body_bytes = int(max_body_bytes)
@@ -216,17 +351,15 @@ class OpenAIServer:
         self._wakeup: Optional[asyncio.Event] = None
         self.worker: Optional[asyncio.Task] = None
         self._prompts_per_s: Optional[float] = None  # running estimate, for Retry-After
-        # Per connection (aiohttp's RequestHandler): requests in progress, and since when idle.
-        self._connections = ConnectionWatch(self.read_timeout)
         self.stats = {"requests": 0, "prompts": 0, "engine_calls": 0, "cancelled": 0,
                       "aborted_prompts": 0, "busy": 0}
 
-    def app(self) -> web.Application:
-        @web.middleware
-        async def guard(request: web.Request, handler):
-            return await self._guard(request, handler)
+    def serve_on(self, host: str) -> None:
+        """Sets the address the server binds (:class:`ClientGuard`'s ``Host`` check accepts it)."""
+        self.guard.serve_on(host)
 
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[guard])
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self.guard.middleware()])
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/completions", self.completions)
@@ -351,46 +484,9 @@ class OpenAIServer:
         until cancelled; :class:`~torchrl_oni.serve.embedded.ServerHandle` starts it with its
         runner's ``server``.
         """
-        await self._connections.watch(server)
+        await self.guard.watch(server)
 
     # -- handlers ----------------------------------------------------------------------------
-    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        conn = request.protocol
-        self._connections.enter(conn)
-        try:
-            self._authorize(request)
-            size = request.content_length
-            if size is not None and size > self.max_body_bytes:
-                raise self._too_large(size)
-            return await handler(request)
-        except RequestError as err:
-            return _error(err.status, str(err), err.param, err.code, err.headers)
-        except web.HTTPException as err:  # the router's 404 / 405
-            return _error(err.status, f"{err.reason}: {request.method} {request.path}")
-        except Exception as err:  # an engine failure: a JSON 500, the server keeps running
-            return _error(500, f"{type(err).__name__}: {err}")
-        finally:
-            self._connections.leave(conn)
-
-    def _authorize(self, request: web.Request) -> None:
-        if self._key is None or request.path == "/health":
-            return
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        token = token.strip()
-        if scheme.lower() == "bearer" and hmac.compare_digest(
-                token.encode("utf-8", "replace"), self._key):
-            return
-        problem = "incorrect API key" if token else "no API key"
-        raise RequestError(
-            f"{problem}: this server needs 'Authorization: Bearer <key>' with its key "
-            "(OPENAI_API_KEY for OpenAI clients)", status=401, code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"})
-
-    def _too_large(self, size: Optional[int] = None) -> RequestError:
-        what = f"request body of {size} bytes" if size is not None else "request body"
-        return RequestError(f"{what} exceeds this server's limit of {self.max_body_bytes} bytes",
-                            status=413, code="request_too_large")
-
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "model": self.model, "queued": len(self.pending),
                                   **self.stats})
@@ -401,14 +497,7 @@ class OpenAIServer:
         ]})
 
     async def _body(self, request: web.Request) -> dict:
-        try:
-            raw = await asyncio.wait_for(request.read(), self.read_timeout)
-        except asyncio.TimeoutError:
-            raise RequestError(f"request body not received within {self.read_timeout:g} s",
-                               status=408, code="timeout") from None
-        except web.HTTPRequestEntityTooLarge:  # no Content-Length (chunked): found while reading
-            raise self._too_large() from None
-        body = _loads(raw)
+        body = _loads(await self.guard.read_body(request))
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         model = body.get("model")

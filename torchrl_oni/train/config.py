@@ -21,6 +21,26 @@ section             what                                                        
 ``distributed``     where env workers run (this machine or a Ray cluster)            ``--backend``
 ==================  ===============================================================  ===========
 
+Ranges are declared here too, on each number's ``setting(..., at_least=, above=, at_most=)``
+(``--help`` shows them; :meth:`TrainConfig.validate` refuses a value outside with one sentence
+naming the flag, whether it came from a flag, a file or Python). The upper bounds are far above
+anything a run needs; they catch a typo (``--frames 3e12`` for ``3e6``, ``--lr 3`` for ``3e-4``)
+before hours are spent on it:
+
+=========================================  ================  =============================================
+setting                                    range             why this far
+=========================================  ================  =============================================
+``--frames``, ``--checkpoint-every``       [1, 1e10]         5× the longest runs of ONI/Motif (2e9 frames)
+``--seed``                                 [0, 2**63 - 1]    what torch and numpy seed from (as oni-eval)
+``--workers``, ``--envs-per-worker``       [1, 4096]         at most 4096 games in all (one batch in memory)
+``--rollout``                              [2, 2**20]        one game's batch within one update's bound
+``--minibatch-size``, ``--rm-batch-size``  [1, 2**20]        the largest update (:data:`MAX_FRAMES_PER_UPDATE`)
+``--lr``, ``--rm-lr``                      (0, 1]            Adam steps above 1 diverge at once
+``--llm-batch-size``                       [1, 10000]        100× ONI's 100 captions a request
+``--llm-concurrency``                      [1, 1024]         requests in flight to one pool of servers
+``--feedback-port``                        [0, 65535]        TCP ports (0: any free one)
+=========================================  ================  =============================================
+
 Derived defaults live here too: ``intrinsic_coeff`` left unset is 0.4 with an intrinsic
 reward and 0 without (:meth:`TrainConfig.resolved`), whether the configuration comes from the
 command line, a file or Python.
@@ -34,6 +54,10 @@ Example:
     -1.0
     >>> TrainConfig.from_yaml(TrainConfig(frames=2048).to_yaml()).frames
     2048
+    >>> TrainConfig(lr=3.0).validate()
+    Traceback (most recent call last):
+    ...
+    ValueError: --lr must be at most 1, not 3
 """
 import dataclasses
 from dataclasses import dataclass, field, make_dataclass
@@ -66,6 +90,11 @@ __all__ = ["TrainConfig", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTA
 ANNOTATORS = annotator_names()  # the annotators registered in train/annotator_types.py
 QUERY_RULES, LABEL_SCHEDULES = RULES, SCHEDULES
 MAX_FRAMES_PER_UPDATE = 2**20  # gathered batches wait in the trainer's memory: ~1.4 GB at this size
+MAX_FRAMES = 10**10  # 5x the longest runs of the papers (2e9): a larger --frames is a typo
+MAX_GAMES = 4096  # games in all (workers x envs-per-worker)
+MAX_SEED = 2**63 - 1  # torch.manual_seed's and numpy's SeedSequence's range (oni-eval's too)
+MAX_LR = 1.0  # Adam's step size: above 1 every update overshoots
+MAX_LLM_BATCH = 10_000  # captions in one LLM request: 100x ONI's 100
 DEFAULT_INTRINSIC_COEFF = 0.4  # ONI's coefficient of the intrinsic reward (oni_spec §5)
 
 
@@ -94,10 +123,11 @@ def _either(names) -> str:
 class EnvConfig:
     task: str = setting("score", "score, oracle, oracle-sober, staircase, staircase-lvl3, staircase-lvl4, "
                         "or a full task id such as NetHackScore-v1")
-    workers: int = setting(2, "env worker processes (one core each)")
-    envs_per_worker: int = setting(32, "NetHack games stepped by each worker process")
-    rollout: int = setting(32, "steps per game in one collected batch (ONI: 32)")
-    max_episode_steps: int = setting(5000, "step limit of an episode")
+    workers: int = setting(2, "env worker processes (one core each)", at_least=1, at_most=MAX_GAMES)
+    envs_per_worker: int = setting(32, "NetHack games stepped by each worker process", at_least=1, at_most=MAX_GAMES)
+    rollout: int = setting(32, "steps per game in one collected batch (ONI: 32)", at_least=2,
+                           at_most=MAX_FRAMES_PER_UPDATE)
+    max_episode_steps: int = setting(5000, "step limit of an episode", at_least=1)
     timeout_as_termination: bool = setting(False, "treat the step limit as a terminal state, like the original "
                                            "ONI (default: truncation, which bootstraps)")
 
@@ -108,15 +138,15 @@ class PPOConfig:
                         choices=ARCHS)
     value_heads: int = setting(1, "1: one value of the mixed reward (ONI); 2: separate extrinsic and intrinsic "
                                "heads and GAEs", choices=(1, 2))
-    lr: float = setting(3e-4, "Adam learning rate")
+    lr: float = setting(3e-4, "Adam learning rate", above=0, at_most=MAX_LR)
     gamma: float = setting(0.99, "discount factor of future rewards")
     gae_lambda: float = setting(0.95, "GAE lambda (bias–variance trade-off of the advantages)")
     clip_epsilon: float = setting(0.2, "PPO ratio clip")
     entropy_coeff: float = setting(0.01, "entropy bonus coefficient")
     critic_coeff: float = setting(0.5, "value loss coefficient")
     max_grad_norm: float = setting(4.0, "gradient norm clip")
-    minibatch_size: int = setting(1024, "steps per PPO minibatch")
-    ppo_epochs: int = setting(1, "passes over each collected batch")
+    minibatch_size: int = setting(1024, "steps per PPO minibatch", at_least=1, at_most=MAX_FRAMES_PER_UPDATE)
+    ppo_epochs: int = setting(1, "passes over each collected batch", at_least=1)
     frames_per_update: Optional[int] = setting(
         None, "frames per PPO update: workers' batches (envs-per-worker × rollout each) are gathered until this "
         "many, e.g. 16k on a GPU node (none: one batch per update)", parse=parse_count)
@@ -141,8 +171,9 @@ class AnnotationConfig:
                                          secret=True)
     llm_prompt: Literal["auto", "tagged", "short"] = setting(
         "auto", "auto: short yes/no with logprobs for the embedded server, ONI's tagged prompt for --llm-url")
-    llm_batch_size: int = setting(100, "most captions per LLM request (ONI: 100); the client adapts below it")
-    llm_concurrency: int = setting(4, "LLM requests in flight")
+    llm_batch_size: int = setting(100, "most captions per LLM request (ONI: 100); the client adapts below it",
+                                  at_least=1, at_most=MAX_LLM_BATCH)
+    llm_concurrency: int = setting(4, "LLM requests in flight", at_least=1, at_most=1024)
     llm_timeout: Optional[float] = setting(None, "seconds before an LLM request is abandoned (default: adapts "
                                            "to the latency the server shows)")
     embedded_server: Literal["process", "thread"] = setting(
@@ -187,8 +218,8 @@ class AnnotationConfig:
 @dataclass
 class RewardModelConfig:
     PREFIX = "rm"
-    lr: float = setting(1e-4, "reward-model Adam learning rate")
-    batch_size: int = setting(256, "reward-model minibatch size")
+    lr: float = setting(1e-4, "reward-model Adam learning rate", above=0, at_most=MAX_LR)
+    batch_size: int = setting(256, "reward-model minibatch size", at_least=1, at_most=MAX_FRAMES_PER_UPDATE)
     steps_per_labels: int = setting(32, "reward-model steps whenever new labels arrived, below --rm-switch-at "
                                     "labelled items")
     switch_at: int = setting(25_000, "labelled items from which training runs per PPO iteration instead")
@@ -211,7 +242,8 @@ class RewardModelConfig:
 class FeedbackConfig:
     human_feedback: bool = setting(False, "serve a labelling page on the run's live caption store: people's labels "
                                    "take precedence over the LLM's and reach the reward from the next batch")
-    feedback_port: int = setting(8765, "port of the labelling page (0: any free port; the address is printed)")
+    feedback_port: int = setting(8765, "port of the labelling page (0: any free port; the address is printed)",
+                                 at_least=0, at_most=65535)
     feedback_host: str = setting("127.0.0.1", "address the labelling page binds; any other than loopback needs the "
                                  "access token printed at start")
 
@@ -220,7 +252,8 @@ class FeedbackConfig:
 class LogConfig:
     logdir: str = setting("runs/oni", "run folder: config.yaml, metrics.csv, tensorboard/, checkpoint.pt, "
                           "captions.pt")
-    checkpoint_every: int = setting(100_000, "frames between checkpoints", parse=parse_count)
+    checkpoint_every: int = setting(100_000, "frames between checkpoints", parse=parse_count, at_least=1,
+                                    at_most=MAX_FRAMES)
     log_every: int = setting(1, "PPO iterations between metrics rows")
     stats_window: int = setting(100, "episodes averaged in the logged episode statistics")
     tensorboard: bool = setting(True, "write TensorBoard logs")
@@ -276,8 +309,9 @@ class TrainConfig:
     """Everything ``oni-train`` needs; build it from flat names (``TrainConfig(workers=1)``),
     sections, a YAML file (:meth:`from_yaml`) or the command line."""
 
-    frames: int = setting(300_000, "total env frames, e.g. 3e5, 300k or 2M", parse=parse_count)
-    seed: int = setting(0, "random seed (games, networks, sampling)")
+    frames: int = setting(300_000, "total env frames, e.g. 3e5, 300k or 2M", parse=parse_count, at_least=1,
+                          at_most=MAX_FRAMES)
+    seed: int = setting(0, "random seed (games, networks, sampling)", at_least=0, at_most=MAX_SEED)
     device: str = setting("auto", "learner device: auto, cpu, cuda, cuda:1 (env workers always run on CPU)")
     acting: Literal["workers", "server"] = setting(
         "workers", "where the policy acts: workers (each env worker runs a CPU copy on its games) or server (one "
@@ -345,20 +379,17 @@ class TrainConfig:
         resolve_task(self.env.task)
         env, ppo, reward, ann, rm = self.env, self.ppo, self.reward, self.annotation, self.reward_model
         checks = [
-            (self.frames > 0, "--frames must be positive"),
-            (env.workers >= 1, "--workers must be at least 1"),
-            (env.envs_per_worker >= 1, "--envs-per-worker must be at least 1"),
-            (env.rollout >= 2, "--rollout must be at least 2"),
-            (env.workers * env.envs_per_worker <= 4096, "at most 4096 games in total"),
+            (env.workers * env.envs_per_worker <= MAX_GAMES,
+             f"--workers × --envs-per-worker must be at most {MAX_GAMES} games in all, not "
+             f"{env.workers} × {env.envs_per_worker}"),
+            (self.frames_per_batch <= MAX_FRAMES_PER_UPDATE,
+             f"--envs-per-worker × --rollout (one batch: {self.frames_per_batch:,} frames) must be at most "
+             f"{MAX_FRAMES_PER_UPDATE:,}"),
             (self.frames >= self.frames_per_batch,
              f"--frames ({self.frames}) is smaller than one batch "
              f"(envs-per-worker × rollout = {self.frames_per_batch})"),
-            (env.max_episode_steps >= 1, "--max-episode-steps must be at least 1"),
-            (ppo.lr > 0, "--lr must be positive"),
             (0 < ppo.gamma <= 1, "--gamma must be in (0, 1]"),
             (0 <= ppo.gae_lambda <= 1, "--gae-lambda must be in [0, 1]"),
-            (ppo.minibatch_size >= 1, "--minibatch-size must be at least 1"),
-            (ppo.ppo_epochs >= 1, "--ppo-epochs must be at least 1"),
             (ppo.frames_per_update is None or (ppo.frames_per_update >= self.frames_per_batch
                                                and ppo.frames_per_update % self.frames_per_batch == 0),
              f"--frames-per-update ({ppo.frames_per_update}) must be a multiple of one batch "
@@ -369,11 +400,9 @@ class TrainConfig:
             (self.acting == "workers" or get_backend(self.distributed.backend).serves_policy,
              f"--acting server needs a backend whose workers can reach a policy server here (local), not "
              f"--backend {self.distributed.backend}"),
-            (self.log.checkpoint_every > 0, "--checkpoint-every must be positive"),
             (self.log.log_every >= 1 and self.log.stats_window >= 1, "--log-every and --stats-window must be at least 1"),
             (reward.extrinsic_clip >= 0, "--extrinsic-clip must be non-negative (0: no clip)"),
             (reward.count_exponent >= 0, "--count-exponent must be non-negative"),
-            (rm.batch_size >= 1 and rm.lr > 0, "--rm-batch-size must be >= 1 and --rm-lr > 0"),
             (min(rm.steps_per_labels, rm.switch_at, rm.steps_per_iteration) >= 0,
              "reward-model schedule settings must be non-negative"),
             (rm.time_fraction is None or rm.time_fraction >= 0, "--rm-time-fraction must be non-negative (0: no cap)"),
@@ -385,13 +414,13 @@ class TrainConfig:
             (rm.surf_lambda >= 0, "--rm-surf-lambda must be non-negative"),
             (rm.rune_beta >= 0, "--rm-rune-beta must be non-negative (0: RUNE off)"),
             (0 <= rm.rune_decay < 1, "--rm-rune-decay must be in [0, 1)"),
-            (0 <= self.feedback.feedback_port < 65536, "--feedback-port must be in [0, 65535]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         ann.validate()
         self._check_label_settings()
+        self._check_reward_settings()
         if reward.intrinsic_reward == "none":
             if reward.intrinsic_coeff:
                 raise ValueError("--intrinsic-coeff needs an --intrinsic-reward other than 'none'")
@@ -399,6 +428,16 @@ class TrainConfig:
             spec = reward_types()[reward.intrinsic_reward]
             if spec.check is not None:
                 spec.check(self)
+
+    def _check_reward_settings(self) -> None:
+        """A setting of another intrinsic reward type than this run's, changed from its default, is
+        refused rather than silently ignored (``--ellm-goal-table`` without ``--intrinsic-reward
+        ellm``)."""
+        kind = self.reward.intrinsic_reward
+        for leaf in leaves(TrainConfig):
+            if len(leaf.path) == 3 and leaf.path[0] == "reward" and leaf.path[1] != kind \
+                    and leaf.get(self) != leaf.default:
+                raise ValueError(f"{leaf.flag} needs --intrinsic-reward {leaf.path[1]}, not {kind!r}")
 
     def _check_label_settings(self) -> None:
         """Label budget, query selection, ensembles, SURF, RUNE, teacher and the labelling page

@@ -39,6 +39,13 @@ What the Ray backend adds on top of ``RayCollector`` (TorchRL 0.14.1), and why:
   back-off until Ray has restarted it, and its first rollout after the restart carries the
   current weights. A batch lost in flight is never counted; a worker Ray reports dead for good
   is dropped. ``RayCollector`` itself stops at the first dead actor;
+* **closed by default**: a Ray instance started for the run (no ``ray_address``) listens on
+  127.0.0.1 only (GCS, raylet, workers and agents; Ray's local-only mode, :func:`closed_ray_instance`),
+  with token authentication on (the token file ``~/.ray/auth_token`` mode 0600), and keeps its
+  session files (sockets, logs) under a private 0700 folder removed at the end instead of the
+  world-writable ``/tmp/ray``; joining a cluster checks whether it answers a client without a
+  token and warns once if it does (:func:`cluster_requires_auth`). A Ray without token
+  authentication (before 2.52) is refused;
 * **small actor constructor arguments**: actors receive a weightless copy of the policy (NaN
   until the first weights arrive, so a missed update fails loudly). Arguments over 100 kB go to
   Ray's object store, and Ray cannot restart an actor whose arguments lived on a dead node
@@ -61,15 +68,23 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import logging
 import math
+import os
 import re
+import shutil
 import signal
 import socket
+import stat
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -87,6 +102,8 @@ __all__ = [
     "ServedPolicyCollector",
     "check_backend",
     "check_ray",
+    "closed_ray_instance",
+    "cluster_requires_auth",
     "make_local_collector",
     "make_ray_collector",
     "make_collector",
@@ -118,9 +135,162 @@ def check_ray(ray_address: Optional[str]) -> None:
     if ray_address is not None and not _ADDRESS.match(ray_address):
         raise ValueError(f"--ray-address {ray_address!r}: expected auto or HOST:PORT")
     try:
-        import ray  # noqa: F401
+        import ray
     except ImportError:
         raise ValueError("--backend ray needs Ray: pip install 'torchrl_oni[ray]'") from None
+    if not _has_token_auth():
+        raise ValueError(f"--backend ray needs a Ray with token authentication (2.52 or later), not "
+                         f"{getattr(ray, '__version__', '?')}: without it anyone who reaches its ports can run code "
+                         f"in the run; pip install 'ray[default]>=2.52'")
+
+
+def _has_token_auth() -> bool:
+    """Whether the installed Ray has token authentication (``RAY_AUTH_MODE=token``, Ray 2.52+)."""
+    try:
+        from ray._raylet import AuthenticationMode  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch to a local-only instance (``0``): every node address is 127.0.0.1, so its gRPC
+servers (GCS, raylet, workers) and agents bind the loopback only. Read by Ray when it starts its
+processes (and by :func:`ray._private.services.get_node_ip_address` at import), hence set in the
+environment the Ray processes inherit."""
+
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
+def _token_file() -> Optional[Path]:
+    """The file Ray reads its token from here (``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``),
+    None when ``RAY_AUTH_TOKEN`` gives the token itself."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    given = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    return Path(given) if given else Path.home() / ".ray" / "auth_token"
+
+
+def _private_token_file() -> None:
+    """A token file only its owner reads: Ray writes ``~/.ray/auth_token`` with the umask's mode
+    (0644 usually), which other users of the machine can read. Made here with mode 0600 when
+    missing (Ray's own generator), tightened to 0600 when it is ours and looser."""
+    path = _token_file()
+    if path is None:
+        return
+    try:
+        if not path.exists():
+            try:
+                from ray._private.authentication.authentication_token_generator import (
+                    generate_new_authentication_token,
+                )
+                token = generate_new_authentication_token()
+            except ImportError:  # a Ray that generates its tokens elsewhere
+                import secrets
+
+                token = secrets.token_hex(32)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+            log.info("Ray: a new token for the run's Ray instance in %s (mode 0600)", path)
+            return
+        info = path.stat()
+        if info.st_uid == os.getuid() and info.st_mode & 0o077:
+            path.chmod(0o600)
+            log.info("Ray: %s was readable by others (mode %o); now 0600", path, stat.S_IMODE(info.st_mode))
+    except OSError as err:  # a read-only home: Ray's own handling decides
+        log.warning("Ray: cannot make the token file %s private (%s)", path, err)
+
+
+def _session_root() -> str:
+    """A private folder (0700) for the run's Ray session; short, since Ray's Unix socket paths
+    under it must stay below 108 characters."""
+    base = tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="oni-ray-", dir=base if len(base) <= 40 else "/tmp")
+
+
+@contextlib.contextmanager
+def closed_ray_instance():
+    """Around the ``ray.init`` that starts a run's own Ray instance: closed by default.
+
+    * every Ray process binds 127.0.0.1 (:data:`LOCAL_ONLY_ENV` for the processes Ray starts,
+      Ray's ``ENABLE_RAY_CLUSTER`` flag for this one; both restored on exit, once Ray's processes
+      have them): without it GCS, raylet and workers listen on every interface and the agents
+      on the node's address;
+    * token authentication on (``RAY_AUTH_MODE=token``, as Ray 2.60 does for a new instance
+      and 2.52 does not), with a private token file (:func:`_private_token_file`), unless
+      ``RAY_AUTH_MODE`` says otherwise (then a warning);
+    * yields a folder inside a private one (0700) to pass as ``_temp_dir``: Ray makes its temp
+      folder world-writable (``/tmp/ray`` is 0777 without the sticky bit), its sockets and logs
+      included, and the private parent keeps other users out. The caller removes the parent
+      after ``ray.shutdown()``.
+    """
+    import ray._private.ray_constants as ray_constants
+
+    saved_env, saved_flag = os.environ.get(LOCAL_ONLY_ENV), getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is None:
+        os.environ["RAY_AUTH_MODE"] = "token"  # kept: this process talks to the instance with it
+        try:
+            from ray._raylet import Config
+
+            Config.initialize("")  # Ray reads the mode from its config, made at import
+        except (ImportError, AttributeError):
+            pass
+    elif mode.lower() != "token":
+        _warn_once("auth-mode", "Ray: the run's Ray instance starts without token authentication (RAY_AUTH_MODE=%s): "
+                   "any user of this machine can run code in it; unset RAY_AUTH_MODE or set it to token", mode)
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        _private_token_file()
+    root = _session_root()
+    try:
+        yield os.path.join(root, "ray")
+    finally:
+        if saved_env is None:
+            os.environ.pop(LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[LOCAL_ONLY_ENV] = saved_env
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
+_AUTH_PROBE = """
+import sys
+from ray._private.services import canonicalize_bootstrap_address
+from ray._raylet import GcsClient
+# HOST:PORT as given (Ray would turn 127.0.0.1 into this node's address); 'auto' from Ray's address file
+address = sys.argv[1] if sys.argv[1] != "auto" else canonicalize_bootstrap_address("auto")
+try:
+    GcsClient(address=address).internal_kv_get(b"oni-auth-probe", namespace=None, timeout=5)
+except Exception as err:
+    print("refused" if "auth" in (type(err).__name__ + str(err)).lower() else "unknown")
+else:
+    print("open")
+"""
+
+
+def cluster_requires_auth(ray_address: str, timeout: float = 30.0) -> Optional[bool]:
+    """Whether the Ray cluster at ``ray_address`` refuses a client without its token: True
+    (refused), False (it answered one: anyone who reaches its port can run code on it), None (no
+    answer either way). Asks its GCS from a child process with ``RAY_AUTH_MODE=disabled`` and no
+    token (Ray keeps one authentication mode per process)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    try:
+        done = subprocess.run([sys.executable, "-c", _AUTH_PROBE, ray_address], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    answer = done.stdout.strip().splitlines()[-1:] or [""]
+    return {"refused": True, "open": False}.get(answer[0])
 
 
 def _probe(ray_address: Optional[str], timeout: float = 10.0) -> None:
@@ -141,18 +311,22 @@ def ray_init_kwargs(ray_address: Optional[str], num_cpus: float,
     """``ray.init`` arguments: join a cluster, or start a Ray instance sized for ``num_cpus``.
 
     A Ray instance started for the run offers exactly the CPUs its actors reserve (no
-    oversubscription of a small machine), a small object store and no dashboard. A cluster's
-    sizes belong to its ``ray start`` commands, so joining one passes only the address.
+    oversubscription of a small machine), a small object store and no dashboard, and its node
+    address is 127.0.0.1 (with :func:`closed_ray_instance` around ``ray.init``, every port it
+    opens is on the loopback). A cluster's sizes belong to its ``ray start`` commands, so joining
+    one passes only the address.
 
     Example:
         >>> ray_init_kwargs(None, num_cpus=2)["num_cpus"], ray_init_kwargs("auto", 2)["address"]
         (2, 'auto')
+        >>> ray_init_kwargs(None, num_cpus=2)["_node_ip_address"]
+        '127.0.0.1'
     """
     common = dict(log_to_driver=True, logging_level=logging.WARNING)
     if ray_address is not None:
         return dict(address=ray_address, **common)
     return dict(num_cpus=num_cpus, num_gpus=0, object_store_memory=int(object_store_memory),
-                include_dashboard=False, **common)
+                include_dashboard=False, _node_ip_address="127.0.0.1", **common)
 
 
 # ---------------------------------------------------------------------------------- weights
@@ -443,6 +617,15 @@ class RayEnvCollector(RayCollector):
         except Exception as err:  # the cluster itself is gone: nothing left to stop
             log.warning("could not stop the Ray env workers cleanly (%s)", _short(err))
             self._runtime_lease.release()
+        _remove_session_root(getattr(self, "session_root", None))
+
+
+def _remove_session_root(root: Optional[str]) -> None:
+    """Removes the private folder of a run's own Ray instance once that instance is stopped."""
+    import ray
+
+    if root and not ray.is_initialized():
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------- served acting
@@ -561,17 +744,26 @@ def make_ray_collector(env_factories: Sequence[Callable], policy: torch.nn.Modul
 
     n = len(env_factories)
     t0 = time.perf_counter()
+    init = ray_init_kwargs(ray_address, n * num_cpus_per_actor, object_store_memory)
+    own = ray_address is None and not ray.is_initialized()
     if not ray.is_initialized():
         _probe(ray_address)
+        if ray_address is not None and cluster_requires_auth(ray_address) is False:
+            _warn_once(f"open:{ray_address}", "Ray: the cluster at %s answers clients without a token: anyone who "
+                       "reaches its port can run code on every node. Start every node with RAY_AUTH_MODE=token and "
+                       "the same RAY_AUTH_TOKEN, and run oni-train with them (docs/cluster.md)", ray_address)
     # ray.init replaces the SIGTERM handler with sys.exit; the application's (oni-train's: save a
     # checkpoint, then stop) is put back below
     sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     scheme = ObjectStoreWeightSyncScheme()
     remote = dict(num_cpus=num_cpus_per_actor, num_gpus=0, max_restarts=max_restarts, max_task_retries=0)
+    session_root = None
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), (closed_ray_instance() if own else contextlib.nullcontext()) as temp_dir:
             # RayCollector warns that a policy_factory's weights cannot be read from here: they are sent
             warnings.filterwarnings("ignore", message="The policy is not an nn.Module")
+            if temp_dir is not None:
+                init["_temp_dir"], session_root = temp_dir, os.path.dirname(temp_dir)
             collector = RayEnvCollector(
                 list(env_factories),
                 policy_factory=_PolicySkeleton(policy),
@@ -581,17 +773,22 @@ def make_ray_collector(env_factories: Sequence[Callable], policy: torch.nn.Modul
                 storing_device="cpu",
                 collector_class=EnvWorker,
                 sync=False,
-                ray_init_config=ray_init_kwargs(ray_address, n * num_cpus_per_actor, object_store_memory),
+                ray_init_config=init,
                 remote_configs=remote,
                 weight_sync_schemes={"policy": scheme},
                 worker_timeout=worker_timeout,
             )
     except ConnectionError as err:
+        _remove_session_root(session_root)
         raise ConnectionError(f"--ray-address {ray_address}: no Ray cluster answers, or it refused this process "
                               f"(same RAY_AUTH_MODE/RAY_AUTH_TOKEN as the cluster?): {_short(err)}") from None
+    except BaseException:
+        _remove_session_root(session_root)
+        raise
     finally:
         if callable(sigterm) and signal.getsignal(signal.SIGTERM) is not sigterm:
             signal.signal(signal.SIGTERM, sigterm)
+    collector.session_root = session_root
     try:
         scheme.model = policy  # update_policy_weights_() without weights reads them from here
         _results([actor.__ray_ready__.remote() for actor in collector.remote_collectors])  # actors built

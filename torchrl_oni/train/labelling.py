@@ -203,17 +203,11 @@ class Labelling:
 
     def _start_feedback(self, reward) -> None:
         """The labelling page on the live store, and the screens shown beside its captions."""
-        from ..feedback import ScreenSnapshots, serve_feedback
-        from ..feedback.cli import default_screens_path
+        from ..feedback import serve_feedback
 
         fb = self.cfg.feedback
-        path = default_screens_path(Path(self.store_path))
-        self.snapshots = ScreenSnapshots()
-        if path.is_file():
-            try:
-                self.snapshots = ScreenSnapshots.load(path)
-            except ValueError as err:  # screens are a convenience: never a reason not to train
-                log.warning("starting without the saved screens: %s", err)
+        if self.snapshots is None:
+            self.snapshots = self._load_screens()
         scorer = pair_scorer = None
         if getattr(reward, "members", None) is not None and len(reward.members) > 1:
             # an ensemble: show people first what its members disagree on most
@@ -263,6 +257,27 @@ class Labelling:
                      self.store.stats()["labelled"], self.store_path)
         else:
             self.store = CaptionStore()
+        if self.cfg.feedback.human_feedback:
+            self.snapshots = self._load_screens()  # before any work: a damaged file ends the run here
+
+    def _load_screens(self):
+        """The screens saved beside the caption store (``<store>.screens.pt``), or an empty table.
+
+        Raises:
+            ValueError: the file is damaged or not a screens file (one sentence, as ``oni-label``
+                says it): the run would overwrite it at its first checkpoint.
+        """
+        from ..feedback import ScreenSnapshots
+        from ..feedback.cli import default_screens_path
+
+        path = default_screens_path(Path(self.store_path))
+        if not path.is_file():
+            return ScreenSnapshots()
+        try:
+            return ScreenSnapshots.load(path)
+        except ValueError as err:
+            raise ValueError(f"{err}; --human-feedback would replace it at the first checkpoint: move it away to "
+                             f"start without the saved screens") from None
 
     def save_store(self) -> Optional[str]:
         """Writes the caption store (labels, pairs) to ``--caption-store``, and the screens kept for
