@@ -142,6 +142,11 @@ def _build_samples(root: Path) -> dict:
     out["config.yaml"].write_text(TrainConfig().to_yaml())
     (root / "messages.txt").write_text("\n".join(texts))
     out["messages.txt"] = root / "messages.txt"
+    for name, data in {"numbers.json": [1, 2], "flagged-nohash.json": {"flagged": [{"message": "x"}]},
+                       "flagged-bighash.json": {"flagged": [{"hash": str(2 ** 70), "deaths_preceded": 1}],
+                                                "deaths": 1, "window": 20}}.items():
+        (root / name).write_text(json.dumps(data))
+        out[name] = root / name
     return out
 
 
@@ -183,7 +188,8 @@ def _damaged_file_cases():
     """Every damaged format fed where each command reads that format (or a foreign one)."""
     reads = {
         "oni-label": [["--store", "{bad}", "--port", "0"],
-                      ["--store", "{captions.pt}", "--screens", "{bad}", "--port", "0"]],
+                      ["--store", "{captions.pt}", "--screens", "{bad}", "--port", "0"],
+                      ["--store", "{captions.pt}", "--first", "{bad}", "--port", "0"]],
         "oni-eval": [["{bad}", "--no-progress"],
                      ["{run}", "--caption-store", "{bad}", "--no-progress", "--episodes", "1"]],
         "oni-replay": [["{bad}", "-o", "{tmp}/out.html"]],
@@ -233,6 +239,7 @@ def _path_cases():
         out += [
             ("oni-label", ["--store", path, "--port", "0"], None, None),
             ("oni-label", ["--store", "{captions.pt}", "--screens", path, "--port", "0"], None, None),
+            ("oni-label", ["--store", "{captions.pt}", "--first", path, "--port", "0"], "--first", None),
             ("oni-eval", [path, "--no-progress"], None, None),
             ("oni-eval", ["{run}", "--caption-store", path, "--no-progress"], None, None),
             ("oni-replay", [path], None, None),
@@ -284,7 +291,7 @@ def _number_cases():
     """Flags given out-of-range numbers; the flag must be named in the message where it says."""
     flags = {
         "oni-eval": (["{run}", "--no-progress"], ["--episodes", "--seed", "--workers", "--envs-per-worker",
-                                                 "--max-episode-steps", "--record"]),
+                                                 "--max-episode-steps", "--record", "--death-window"]),
         "oni-replay": (["{episode.npz}", "-o", "{tmp}/n.html"], ["--fps", "--font-size", "--max-mb"]),
         "oni-replay-gif": (["{episode.npz}", "--gif", "{tmp}/n.gif"], ["--fps", "--font-size", "--start",
                                                                         "--stop"]),
@@ -403,6 +410,12 @@ def _misc_cases():
         ("oni-replay", ["{ep:huge}", "-o", "{tmp}/huge.html", "--max-mb", "5"], "--max-mb", None),
         ("oni-replay", ["{ep:huge}", "--gif", "{tmp}/huge.gif", "--max-mb", "2"], "--max-mb", None),
         ("oni-replay", ["{episode.npz}", "--gif", "{tmp}/x.gif", "--start", "5", "--stop", "2"], None, None),
+        ("oni-label", ["--store", "{captions.pt}", "--first", "{eval.json}", "--port", "0"], "--first", None),
+        ("oni-label", ["--store", "{captions.pt}", "--first", "{numbers.json}", "--port", "0"], "--first", None),
+        ("oni-label", ["--store", "{captions.pt}", "--first", "{flagged-nohash.json}", "--port", "0"], "--first",
+         None),
+        ("oni-label", ["--store", "{captions.pt}", "--first", "{flagged-bighash.json}", "--port", "0"], "--first",
+         None),
         ("oni-eval", ["{run}", "--task", "chess", "--no-progress"], None, None),
         ("oni-eval", ["{run}", "--episodes", "2", "--record", "3", "--no-progress"], "--record", None),
         ("oni-serve", ["--backend", "scripted", "--", "--x"], None, None),

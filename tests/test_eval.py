@@ -55,6 +55,8 @@ def test_cli_prints_table_then_json_and_writes_eval_json(light_run, capsys):
     saved.pop("eval_json", None)
     assert saved == {k: v for k, v in summary.items() if k != "eval_json"}
     assert summary["messages"]["approved_share"] is None  # no caption store in this run
+    assert summary["reward_hacking"] == {"paid_by": None, "reason": "the run paid no intrinsic reward (extrinsic only)"}
+    assert "reward hacking: not checked: the run paid no intrinsic reward (extrinsic only)" in out
 
 
 def test_exactly_n_episodes_and_statistics_match_the_recordings(light_run):
@@ -135,6 +137,38 @@ def test_caption_store_gives_labels_shares_and_retrieval_rewards(tmp_path):
                 assert math.isnan(ep.label[t])
     assert json.load(open(f"{run}/{EVAL_NAME}"))["messages"]["approved_share"] == m["approved_share"]
 
+    # the reward-hacking diagnostics pay what the replays show: the acted-on frames, the last one excepted
+    hacking = result["reward_hacking"]
+    assert hacking["paid_by"].startswith("the run's labels x msg_count^-3") and hacking["window"] == 20
+    assert hacking["episodes"] == 4 and hacking["deaths"] == result["end_status"]["death"]
+    paid = sum(float(ep.intrinsic_reward[:-1].sum(dtype=np.float64)) for ep in episodes)
+    assert math.isclose(hacking["intrinsic_return"], paid, rel_tol=1e-5)
+    assert hacking["paid_captions"] == len(approved & {t for ep in episodes for t in ep.messages()[:-1] if t})
+    assert hacking["steps"] == sum(r["length"] for r in result["per_episode"])
+    top = hacking["top"][0]
+    shares = [r["return_share"] for r in hacking["top"]]
+    assert top["message"] in approved and shares == sorted(shares, reverse=True)
+    assert len(shares) == min(10, hacking["paid_captions"]) and sum(shares) <= 1.0 + 1e-9
+    assert json.load(open(f"{run}/{EVAL_NAME}"))["reward_hacking"] == hacking
+    from torchrl_oni.evaluate import format_table
+
+    table = format_table(result)
+    assert "reward hacking: " in table and "paid = the run's labels" in table and top["message"] in table
+
+
+def test_the_table_ends_the_diagnostics_with_the_flagged_captions(light_run):
+    from test_reward_hacking import EAT, TEXTS, _choking  # tests/ is on sys.path (conftest.py)
+    from torchrl_oni.evaluate import format_table
+
+    result = evaluate(light_run, episodes=2, workers=1, write=False, progress=False)
+    result["reward_hacking"] = dict(_choking().report(TEXTS), paid_by="the run's labels x msg_count^-3")
+    result["caption_store"] = "runs/x/captions.pt"
+    lines = format_table(result).splitlines()
+    flagged = [line for line in lines if line.startswith("!! ")]
+    assert len(flagged) == 2 and TEXTS[EAT] in flagged[0]
+    assert flagged[1] == "!! relabel them first: oni-label --store runs/x/captions.pt"
+    assert lines.index(flagged[0]) > [i for i, line in enumerate(lines) if line.startswith("reward hacking: ")][0]
+
 
 @pytest.mark.parametrize("arch", ["oni", "oni-lstm"])
 def test_recurrent_policies_evaluate(tmp_path, arch):
@@ -172,6 +206,7 @@ def test_errors_are_one_line_with_exit_status_2(light_run, tmp_path, capsys):
     assert "unknown task" in _error(capsys, [light_run, "--task", "chess"])
     assert "--episodes" in _error(capsys, [light_run, "--episodes", "0"])
     assert "--record" in _error(capsys, [light_run, "--episodes", "2", "--record", "3"])
+    assert "--death-window" in _error(capsys, [light_run, "--death-window", "0"])
     _error(capsys, [light_run, "--bogus"])
     _error(capsys, [light_run, "--greedy", "--sample"])
     assert "CaptionStore" in _error(capsys, [light_run, "--caption-store", str(tmp_path / "truncated.pt")])

@@ -205,6 +205,64 @@ def test_queue_follows_ensemble_disagreement_when_a_scorer_is_given():
         assert server.state()["order"] == "disagree"
 
 
+def test_flagged_captions_come_first_with_why_until_a_person_labels_them():
+    store = _store({"It's a wall.": 9, "You finish eating the food ration.": 1, "You kill the newt!": 5,
+                    "You feel better.": 2})
+    first = [(_h("You feel better."), "flagged: before 3 of 4 deaths"),
+             (_h("You finish eating the food ration."), "flagged: before 4 of 4 deaths"),
+             (_h("never seen by this store"), "flagged elsewhere")]
+    with serve_feedback(store, port=0, announce=False, first=first) as server:
+        _, queue = _call(server, "/api/queue?kind=captions&limit=10")
+        assert [x["text"] for x in queue["items"]] == ["You feel better.", "You finish eating the food ration.",
+                                                       "It's a wall.", "You kill the newt!"]
+        assert queue["items"][0]["note"] == "flagged: before 3 of 4 deaths" and "note" not in queue["items"][2]
+        assert server.state()["first"] == 2
+        _, queue = _call(server, "/api/queue?kind=captions&limit=1")
+        assert [x["text"] for x in queue["items"]] == ["You feel better."]
+        _call(server, "/api/label", {"id": str(_h("You feel better.")), "answer": "not_progress"})
+        _, queue = _call(server, "/api/queue?kind=captions&limit=2")
+        assert [x["text"] for x in queue["items"]] == ["You finish eating the food ration.", "It's a wall."]
+        assert server.state()["first"] == 1
+    with serve_feedback(store, port=0, announce=False) as server:  # without: most seen first
+        _, queue = _call(server, "/api/queue?kind=captions&limit=1")
+        assert queue["items"][0]["text"] == "It's a wall." and server.state()["first"] == 0
+
+
+def test_oni_label_puts_the_eval_json_flagged_captions_first(tmp_path, capsys, monkeypatch):
+    from torchrl_oni.feedback import cli
+
+    store = _store({"It's a wall.": 9, "You finish eating the food ration.": 1})
+    path = store.save(tmp_path / "captions.pt")
+    eat = _h("You finish eating the food ration.")
+    flagged = {"window": 20, "deaths": 4, "baseline": {"of": "unpaid captions"},
+               "flagged": [{"hash": str(eat), "deaths_preceded": 4, "ratio": 12.5}]}
+    (tmp_path / "eval.json").write_text(json.dumps({"episodes": 8, "reward_hacking": flagged}))
+    seen = []
+
+    class Started(Exception):
+        pass
+
+    def start(self, *args, **kwargs):
+        seen.append(dict(self.first))
+        raise Started
+
+    monkeypatch.setattr(FeedbackServer, "start", start)
+    for argv, expected in (([], {eat: "flagged: before 4 of 4 deaths within 20 steps, 12.5x the rate of unpaid "
+                                       "captions"}),
+                           (["--first", "none"], {})):
+        with pytest.raises(Started):
+            cli.main(["--store", str(path), "--port", "0", *argv])
+        assert seen[-1] == expected
+    (tmp_path / "eval.json").write_text("{broken")  # found, not asked for: said, and the page still opens
+    with pytest.raises(Started):
+        cli.main(["--store", str(path), "--port", "0"])
+    assert seen[-1] == {} and "not putting flagged captions first" in capsys.readouterr().out
+    (tmp_path / "mine.json").write_text(json.dumps(["It's a wall."]))
+    with pytest.raises(Started):
+        cli.main(["--store", str(path), "--port", "0", "--first", str(tmp_path / "mine.json")])
+    assert seen[-1] == {_h("It's a wall."): "listed in mine.json"}
+
+
 def test_a_later_llm_label_does_not_overwrite_a_human_one(page):
     store, server = page
     wall = _h("It's a wall.")
@@ -322,6 +380,7 @@ def test_oni_label_serves_saves_and_exits_cleanly(tmp_path, capsys, monkeypatch)
     (["--host", "0.0.0.0", "--token", "short"], "at least 16 characters"),
     (["--port", "70000"], "--port must be in"),
     (["--screens", "/nonexistent/screens.pt"], "no ScreenSnapshots file"),
+    (["--first", "/nonexistent/eval.json"], "--first: cannot read"),
     (["--bogus"], "unrecognized arguments"),
 ])
 def test_oni_label_errors_are_one_line(tmp_path, capsys, argv, message):

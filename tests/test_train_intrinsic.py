@@ -291,16 +291,18 @@ def test_goal_conditioned_ellm_policy_sees_goals_at_acting_time(tmp_path):
 
 @pytest.mark.parametrize("flags,keys", [
     (dict(intrinsic_reward="retrieval", annotator="scripted", label_budget=1000.0),
-     ["kind", "store_path", "transform", "claim"]),
+     ["kind", "store_path", "transform", "claim", "hacking"]),
     (dict(intrinsic_reward="classification", annotator="scripted", rm_ensemble=2, rm_rune_beta=0.5,
           query_selection="disagree"),
-     ["kind", "store_path", "transform", "reward", "rm_trainer", "rm_schedule", "claim", "rune"]),
+     ["kind", "store_path", "transform", "reward", "rm_trainer", "rm_schedule", "claim", "rune", "hacking"]),
     (dict(intrinsic_reward="ranking", annotator="scripted", rm_ensemble=2),
-     ["kind", "store_path", "transform", "sampler", "pair_queue", "reward", "rm_trainer", "rm_schedule"]),
-    (dict(intrinsic_reward="bow"), ["kind", "store_path", "transform"]),
+     ["kind", "store_path", "transform", "sampler", "pair_queue", "reward", "rm_trainer", "rm_schedule",
+      "hacking"]),
+    (dict(intrinsic_reward="bow"), ["kind", "store_path", "transform", "hacking"]),
 ])
 def test_checkpoint_state_keys_stay_and_load_back(tmp_path, flags, keys):
-    """The hook's state_dict keys are part of the checkpoint format: old checkpoints must load."""
+    """The hook's state_dict keys are part of the checkpoint format: old checkpoints must load
+    (``hacking``, the reward-hacking diagnostics' counts, came later: a checkpoint without it loads)."""
     from torchrl_oni.train.intrinsic import IntrinsicRewardHook
 
     cfg = TrainConfig(logdir=str(tmp_path), **flags)
@@ -313,6 +315,7 @@ def test_checkpoint_state_keys_stay_and_load_back(tmp_path, flags, keys):
         hook.close(save=False)
     again = IntrinsicRewardHook(cfg)
     try:
+        again.load_state_dict({k: v for k, v in state.items() if k != "hacking"})  # an older checkpoint
         again.load_state_dict(state)
         assert list(again.state_dict()) == keys
     finally:

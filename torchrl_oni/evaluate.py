@@ -36,6 +36,12 @@ key                       meaning
                           and with a caption store: ``labelled_share`` and ``approved_share``
                           (of sightings; approved = label > 0.5) and ``approved_per_episode``
                           (distinct approved captions per episode, as benchmarks/learning_check)
+``reward_hacking``        the reward-hacking diagnostics (:mod:`torchrl_oni.reward_hacking`): per
+                          paid caption, how often it comes at most ``--death-window`` steps
+                          before a death against unpaid captions, its share of the intrinsic
+                          return, repeated payments, and ``flagged``: the captions of the ``!!``
+                          line; ``paid_by`` says how the payments were recomputed (the run's
+                          labels for retrieval and classification), or is None with a ``reason``
 ``checkpoint`` ...        where it came from: ``checkpoint``, ``task``, ``trained_task``,
                           ``arch``, ``intrinsic_reward``, ``frames_trained``, ``policy``,
                           ``seed``, ``episodes``, ``workers``, ``envs_per_worker``,
@@ -80,6 +86,7 @@ from .captions import decode_message, hash_bytes
 from .cli_errors import OneLineArgumentParser, overwritten_input, report
 from .run_folder import CAPTION_STORE_NAME, CONFIG_NAME, EVAL_NAME, METRICS_NAME, REPLAY_DIR
 from .spawn_check import check_main_guard
+from .reward_hacking import DEATH_WINDOW, REPORT_NAME as REWARD_HACKING_NAME, HackingTally, format_report
 from .stats import mean_ci, t_quantile_975, wilson_interval  # noqa: F401  (t_quantile_975: importable here for one release)
 
 __all__ = ["evaluate", "EvalError", "wilson_interval", "mean_ci", "format_table", "main", "EVAL_NAME"]
@@ -124,6 +131,7 @@ def _run_settings(state: dict) -> dict:
         "timeout_as_termination": bool(cfg.env.timeout_as_termination),
         "intrinsic_reward": cfg.reward.intrinsic_reward,
         "count_exponent": float(cfg.reward.count_exponent),
+        "reward_message": cfg.reward.reward_message,
         "caption_store": cfg.annotation.caption_store,
     }
 
@@ -267,6 +275,9 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
     max_depth = np.zeros(K, dtype=np.int64)
     captions = [set() for _ in range(K)]
     tails: List[list] = [[] for _ in range(K)]  # the last few non-empty messages of each episode
+    # (observation index, caption hash, msg_count) of each non-empty message, for the diagnostics
+    sequences: List[list] = [[] for _ in range(K)]
+    seen_obs = [0] * K  # observations of the slot's episode so far
     sightings: Counter = Counter()
     texts: Dict[int, str] = {}
     recorders = {i: _Recorder(games[i].nethack._obs_buffers) for i in shard.record}
@@ -284,6 +295,7 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
                 max_depth[i] = max(max_depth[i], blstats[i, nethack.NLE_BL_DEPTH])
             h = int(hashes[i])
             if h != _EMPTY_HASH:
+                sequences[i].append((seen_obs[i], h, int(counts[i])))
                 sightings[h] += 1
                 captions[i].add(h)
                 if h not in texts:
@@ -292,6 +304,7 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
                 tail.append(h)
                 if len(tail) > 3:
                     del tail[0]
+            seen_obs[i] += 1
             if i in recorders:
                 reward = 0.0 if rewards is None else float(rewards[i])
                 recorders[i].add(messages[i].numpy(), int(counts[i]), h, reward)
@@ -314,7 +327,7 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
                 for i in np.flatnonzero(done & active):
                     episodes.append(_episode_row(shard.first_episode + int(i), nxt.get("episode")[int(i)],
                                                  games[i], last_score[i], max_depth[i], captions[i],
-                                                 [texts[h] for h in tails[i]]))
+                                                 [texts[h] for h in tails[i]], sequences[i]))
                     active[i] = False
                     on_episode()
                 td = env.maybe_reset(env.step_mdp(td))
@@ -329,7 +342,7 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
     }
 
 
-def _episode_row(index, episode, game, score, max_depth, captions, tail) -> dict:
+def _episode_row(index, episode, game, score, max_depth, captions, tail, sequence=()) -> dict:
     stats = {k: episode.get(k).item() for k in ("return", "length", "dlvl", "xlvl", "gold", "scout", "kills",
                                                  "end_status", "success")}
     end = END_NAMES.get(int(stats.pop("end_status")), "unknown")
@@ -352,6 +365,8 @@ def _episode_row(index, episode, game, score, max_depth, captions, tail) -> dict
         "death_cause": cause,
         "last_messages": tail,
         "_captions": sorted(captions),
+        # observation index, caption hash and msg_count of every non-empty message (the diagnostics')
+        "_sequence": np.array(sequence, dtype=np.int64).reshape(-1, 3),
     }
 
 
@@ -475,6 +490,7 @@ def evaluate(
     output: Optional[str] = None,
     write: bool = True,
     progress: bool = True,
+    death_window: int = DEATH_WINDOW,
 ) -> dict:
     """Plays ``episodes`` episodes with the policy of a run folder or checkpoint file.
 
@@ -495,6 +511,8 @@ def evaluate(
         caption_store: labels to judge messages by (default: the run's ``captions.pt``; ``"none"``).
         output: where ``eval.json`` goes (default ``<run>/eval.json``); ``write=False``: nowhere.
         progress: a progress bar over episodes (stderr).
+        death_window: the reward-hacking diagnostics' N: a caption comes before a death when the
+            episode ends in death at most N steps later.
 
     Returns:
         The ``eval.json`` dict (see the module docstring).
@@ -521,6 +539,8 @@ def evaluate(
         raise EvalError(f"--envs-per-worker must be in [1, {MAX_GAMES_PER_WORKER}], got {envs_per_worker}")
     if max_episode_steps is not None and not 1 <= max_episode_steps < 2 ** 31:
         raise EvalError(f"--max-episode-steps must be in [1, 2**31), got {max_episode_steps}")
+    if not 1 <= death_window < 2 ** 31:
+        raise EvalError(f"--death-window must be in [1, 2**31) steps, got {death_window}")
 
     file, run_dir = _resolve_checkpoint(path)
     if write:
@@ -598,6 +618,7 @@ def evaluate(
     result["death_causes"] = dict(Counter(r["death_cause"] for r in rows if r["death_cause"]).most_common())
     result["messages"] = _message_summary(sightings, texts, rows, store)
     result["caption_store"] = store_path
+    result["reward_hacking"] = _hacking_report(rows, texts, store, settings, death_window)
 
     replays = []
     if record:
@@ -635,6 +656,46 @@ def _message_summary(sightings: Counter, texts: Dict[int, str], rows: List[dict]
     else:
         out["labelled_share"] = out["approved_share"] = out["approved_per_episode"] = None
     return out
+
+
+# what oni-eval can recompute of the run's payments: retrieval pays the label itself; a classification
+# model was trained on the same labels (an approximation); the others need their reward model
+_PAID_BY_LABELS = {"retrieval": "the run's labels x msg_count^-{beta:g} (what retrieval pays)",
+                   "classification": "the run's labels x msg_count^-{beta:g} (approximating its classification model)"}
+
+
+def _hacking_report(rows: List[dict], texts: Dict[int, str], store, settings: dict, window: int) -> dict:
+    """The reward-hacking diagnostics of the played episodes (:mod:`torchrl_oni.reward_hacking`).
+
+    What each step paid is recomputed from the run's labels (``R(m) · msg_count^-beta`` of the
+    caption ONI pays for, the observation acted on by default); ``{"paid_by": None, "reason": ...}``
+    where it cannot be."""
+    kind = settings["intrinsic_reward"]
+    if kind == "none":
+        return {"paid_by": None, "reason": "the run paid no intrinsic reward (extrinsic only)"}
+    if kind not in _PAID_BY_LABELS:
+        return {"paid_by": None, "reason": f"oni-eval cannot recompute a {kind} reward; the training run's "
+                                           f"{REWARD_HACKING_NAME} has its diagnostics"}
+    if store is None:
+        return {"paid_by": None, "reason": "no caption store: the run's labels are unknown (--caption-store)"}
+    beta = settings["count_exponent"]
+    acted = settings.get("reward_message", "acted") == "acted"
+    tally = HackingTally(window)
+    sequences = [r["_sequence"] for r in rows]
+    hashes = np.unique(np.concatenate([q[:, 1] for q in sequences])) if sequences else np.zeros(0, np.int64)
+    labels = np.nan_to_num(_labels_of(store, hashes), nan=0.0).astype(np.float64)
+    for row, seq in zip(rows, sequences):
+        length = row["length"]
+        obs, h, count = seq[:, 0], seq[:, 1], seq[:, 2]
+        # transition t pays for observation t (acted) or t + 1 (next); the last observation is acted on by no step
+        step = obs if acted else obs - 1
+        keep = (step >= 0) & (step < length)
+        step, h, count = step[keep], h[keep], count[keep]
+        paid = labels[np.searchsorted(hashes, h)] * np.maximum(count, 1).astype(np.float64) ** -beta
+        tally.add_episode(h, paid, step, length, row["end"] == "death")
+    report = tally.report(texts)
+    report["paid_by"] = _PAID_BY_LABELS[kind].format(beta=beta)
+    return report
 
 
 def _write_replays(results, rows, store, settings, result, action_names, folder: Path) -> List[str]:
@@ -711,6 +772,15 @@ def format_table(result: dict) -> str:
     for item in m["top"][:10]:
         label = "-" if item["label"] is None else f"{item['label']:.2f}"
         lines.append(f"{item['count']:>8}  {label:>5}  {item['message']}")
+    hacking = result.get("reward_hacking")
+    if hacking:
+        lines.append("")
+        if hacking.get("paid_by") is None:
+            lines.append(f"reward hacking: not checked: {hacking.get('reason')}")
+        else:
+            lines += format_report(hacking)
+            if hacking["flagged"] and result.get("caption_store"):
+                lines.append(f"!! relabel them first: oni-label --store {result['caption_store']}")
     if result.get("replays"):
         lines.append(f"replays: {len(result['replays'])} in {Path(result['replays'][0]).parent} (oni-replay FILE)")
     lines.append(f"{result['steps']:,} steps in {result['time_s']:.1f} s")
@@ -735,6 +805,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-dir", default=None, help="where replays go (default: RUN/replays)")
     p.add_argument("--caption-store", default=None,
                    help="labels to judge messages by (default: the run's captions.pt; 'none' to skip)")
+    p.add_argument("--death-window", type=int, default=DEATH_WINDOW, metavar="N",
+                   help="reward-hacking diagnostics: a paid caption comes before a death when the episode ends in "
+                        "death at most N steps later (default: %(default)s)")
     p.add_argument("-o", "--output", default=None, help="where eval.json goes (default: RUN/eval.json)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
@@ -754,6 +827,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.path, args.episodes, task=args.task, seed=args.seed, greedy=args.greedy, workers=args.workers,
             envs_per_worker=args.envs_per_worker, max_episode_steps=args.max_episode_steps, record=args.record,
             record_dir=args.record_dir, caption_store=args.caption_store, output=args.output, progress=args.progress,
+            death_window=args.death_window,
         )
     except EvalError as err:
         return report(PROG, str(err))

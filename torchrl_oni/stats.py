@@ -1,5 +1,6 @@
 """Small statistics written once for every reporter: intervals for evaluation tables, benchmark
-summaries and plots, and the AUC that scores a labeller or a reward model.
+summaries and plots, the rate ratio of the reward-hacking diagnostics, and the AUC that scores a
+labeller or a reward model.
 
 NumPy only, no SciPy at run time (tests check these against SciPy where it is installed).
 
@@ -17,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["auc", "mean_ci", "t_quantile_975", "wilson_interval"]
+__all__ = ["auc", "mean_ci", "rate_ratio_ci", "t_quantile_975", "wilson_interval"]
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple:
@@ -82,6 +83,33 @@ def mean_ci(values: Sequence[float]) -> dict:
         half = t_quantile_975(n - 1) * std / math.sqrt(n)
         ci = [mean - half, mean + half]
     return {"mean": mean, "std": std, "ci95": ci, "min": float(x.min()), "max": float(x.max()), "n": n}
+
+
+def rate_ratio_ci(a: int, n1: int, c: int, n2: int, z: float = 1.959964) -> tuple:
+    """``(ratio, lo, hi)``: the ratio of two proportions ``(a / n1) / (c / n2)`` with Katz's log
+    interval (95 % by default), as ``scipy.stats.contingency.relative_risk`` computes it.
+
+    A zero count has no log interval: for the interval only, a zero ``a`` (or ``c``) becomes 0.5
+    of a group one larger (0.5 added to both of its cells, Haldane's correction in that group),
+    and the bound on its side is 0 (or infinity). The ratio itself is never corrected: 0 when
+    ``a`` is 0, infinity when only ``c`` is; ``(nan, nan, nan)`` when ``n1`` or ``n2`` is 0 or
+    both counts are.
+
+    Example:
+        >>> [round(x, 3) for x in rate_ratio_ci(30, 100, 10, 100)]
+        [3.0, 1.551, 5.803]
+        >>> [round(x, 2) for x in rate_ratio_ci(0, 5, 20, 1000)]  # none of 5: 0, and a wide upper bound
+        [0.0, 0.0, 61.32]
+    """
+    if n1 <= 0 or n2 <= 0 or (a == 0 and c == 0):
+        return (math.nan, math.nan, math.nan)
+    ratio = (a / n1) / (c / n2) if c > 0 else math.inf
+    a_, n1_ = (a, n1) if a > 0 else (0.5, n1 + 1)
+    c_, n2_ = (c, n2) if c > 0 else (0.5, n2 + 1)
+    centre = (a_ / n1_) / (c_ / n2_)
+    se = math.sqrt(max(0.0, 1 / a_ - 1 / n1_ + 1 / c_ - 1 / n2_))
+    lo, hi = centre * math.exp(-z * se), centre * math.exp(z * se)
+    return (ratio, 0.0 if a == 0 else lo, math.inf if c == 0 else hi)
 
 
 def auc(scores: Sequence[float], labels: Sequence[bool]) -> float:

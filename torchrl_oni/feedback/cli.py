@@ -6,7 +6,11 @@ Usage::
     oni-label --store captions.pt --host 0.0.0.0 --port 9000       # prints a URL with an access token
 
 People's answers are written into the store as they come (saved atomically at most every
-``--save-every`` seconds) and once more at exit. Game screens are shown when a
+``--save-every`` seconds) and once more at exit. The captions that the reward-hacking diagnostics
+flagged (paid captions that come before deaths far above chance: :mod:`torchrl_oni.reward_hacking`)
+are shown first, with why: from ``--first FILE`` (an ``eval.json`` of ``oni-eval``, a
+``reward_hacking.json`` of ``oni-train``, or a JSON list of captions), by default from the
+``eval.json``, else the ``reward_hacking.json``, beside the store (``--first none``: neither). Game screens are shown when a
 :class:`~torchrl_oni.feedback.screens.ScreenSnapshots` file is found (``--screens``, by default
 ``<store>.screens.pt`` next to the store). Bad flags, a missing or unreadable store, a taken port:
 one ``oni-label: error: ...`` line and exit status 2.
@@ -55,7 +59,38 @@ def build_parser() -> OneLineArgumentParser:
     p.add_argument("--labeller", default="web", help="your name, recorded with every label (default 'web')")
     p.add_argument("--save-every", type=float, default=2.0, metavar="SECONDS",
                    help="longest delay before an answer is saved (default 2)")
+    p.add_argument("--first", default=None, metavar="FILE",
+                   help="captions to show first: the flagged captions of an oni-eval eval.json or an oni-train "
+                        "reward_hacking.json, or a JSON list of captions (default: the eval.json, else the "
+                        "reward_hacking.json, next to the store; 'none': neither)")
     return p
+
+
+def _first_captions(args) -> tuple:
+    """``([(hash, why)], where from or None)``; a bad ``--first`` ends the command (one line), a bad
+    file found next to the store only says so (it was not asked for)."""
+    from torchrl_oni.reward_hacking import REPORT_NAME, read_flagged
+    from torchrl_oni.run_folder import EVAL_NAME
+
+    if args.first == "none":
+        return [], None
+    if args.first is not None:
+        try:
+            return read_flagged(args.first), args.first
+        except ValueError as err:
+            fail(PROG, f"--first: {err}")
+        except OSError as err:
+            fail(PROG, f"--first: cannot read {args.first} ({err.strerror or err})")
+    for name in (EVAL_NAME, REPORT_NAME):
+        path = args.store.with_name(name)
+        if not path.is_file():
+            continue
+        try:
+            return read_flagged(path), str(path)
+        except (OSError, ValueError) as err:
+            print(f"{PROG}: not putting flagged captions first: {err}", flush=True)
+            return [], None
+    return [], None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -79,16 +114,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             snapshots = ScreenSnapshots.load(screens)
         except (OSError, ValueError) as err:
             fail(PROG, str(err))
+    first, first_from = _first_captions(args)
     token = args.token if args.token is not None else os.environ.get("ONI_LABEL_TOKEN")
     try:
         server = FeedbackServer(store, args.host, args.port, token, snapshots=snapshots, save_path=args.store,
-                                save_interval_s=args.save_every, labeller=args.labeller, announce=False)
+                                save_interval_s=args.save_every, labeller=args.labeller, announce=False,
+                                first=first)
         server.start()
     except ValueError as err:
         fail(PROG, str(err))
     except OSError as err:
         fail(PROG, f"cannot listen on {args.host}:{args.port} ({err.strerror or err})")
     state = server.state()
+    if first_from is not None:
+        print(f"{PROG}: {state['first']} of the {len(first)} captions flagged in {first_from} wait for a person "
+              "and come first", flush=True)
     print(f"{PROG}: {state['store']['size']} captions, {state['waiting']['captions']} waiting for a person, "
           f"{state['waiting']['pairs']} pairs; open {server.url_with_token} (Ctrl-C to stop)", flush=True)
 

@@ -8,7 +8,8 @@ non-human label (:data:`~torchrl_oni.store.HUMAN` precedence). Nothing waits for
 trainer never calls into the server, a closed page or a person who walks away costs nothing.
 ``oni-label`` (:mod:`torchrl_oni.feedback.cli`) serves a saved store the same way.
 
-What the page shows: the captions that have no human label yet, most useful first — the most
+What the page shows: the captions that have no human label yet, most useful first — the captions
+given as ``first`` (the reward-hacking diagnostics' flagged captions, with why), then the most
 seen (:func:`torchrl_oni.queries.select`, rule ``frequency``), or, when a reward-model ensemble is
 given, the ones its members disagree on most (``disagree``) — each with how often it was seen,
 the game screen it appeared on (:class:`~torchrl_oni.feedback.screens.ScreenSnapshots`) and the
@@ -66,7 +67,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -203,6 +204,10 @@ class FeedbackServer:
         labeller (str): who labels, recorded in the provenance's ``model`` field.
         pool_size (int): most-seen captions scored by ``scorer`` per queue request.
         announce (bool): print the address (and a generated token) once to stderr.
+        first (list, optional): ``[(caption hash, why)]`` shown before every other caption, in
+            this order, while they wait for a person (``oni-label --first``: the captions the
+            reward-hacking diagnostics flagged, :func:`torchrl_oni.reward_hacking.read_flagged`);
+            each item then carries ``note``: why.
 
     Example:
         >>> from torchrl_oni.store import CaptionStore
@@ -228,6 +233,7 @@ class FeedbackServer:
         pool_size: int = 512,
         announce: bool = True,
         read_timeout: float = READ_TIMEOUT,
+        first: Optional[List[Tuple[int, str]]] = None,
     ):
         loopback = is_loopback(host)
         if token is None:
@@ -257,6 +263,9 @@ class FeedbackServer:
         self.pool_size = int(pool_size)
         self.announce = announce
         self.view = _StoreView(store)
+        self.first: Dict[int, str] = {}  # caption hash -> why, in the order to show them
+        for h, why in first or ():
+            self.first.setdefault(int(h), str(why))
         self._actions: List[_Action] = []
         self._skipped: Dict[str, set] = {"caption": set(), "pair": set()}
         self._agree: Dict[str, List[int]] = {"caption": [], "pair": []}
@@ -464,6 +473,7 @@ class FeedbackServer:
             "waiting": {"captions": waiting, "pairs": pairs_waiting},
             "agreement": agreement,
             "order": "disagree" if self.scorer is not None else "frequency",
+            "first": self._first_waiting(skipped["caption"]),
             "can_undo": can_undo,
             "labeller": self.provenance.model,
             "store": {k: stats[k] for k in ("size", "labelled", "unseen", "pending", "pairs", "pairs_labelled")},
@@ -480,13 +490,31 @@ class FeedbackServer:
         llm = None
         if int(rows["status"][i]) == LABELLED and pid != human_pid:
             llm = {"label": _finite(rows["label"][i]), "by": self._provenance_name(pid)}
-        return {
+        item = {
             "id": str(h),
             "text": decode_message(rows["message"][i]),
             "times_seen": int(rows["times_seen"][i]),
             "llm": llm,
             "screen": self.snapshots is not None and h in self.snapshots,
         }
+        if h in self.first:
+            item["note"] = self.first[h]
+        return item
+
+    def _first_waiting(self, skipped: set) -> int:
+        """How many of the ``first`` captions still wait for a person."""
+        if not self.first:
+            return 0
+        return len(self._front(self.view.caption_candidates(skipped)))
+
+    def _front(self, cands: Dict[str, np.ndarray]) -> np.ndarray:
+        """Positions into ``cands`` of the ``first`` captions, in their order."""
+        if not self.first or not len(cands["hashes"]):
+            return np.zeros(0, np.int64)
+        wanted = np.fromiter(self.first, np.int64, len(self.first))
+        positions = np.flatnonzero(np.isin(cands["hashes"], wanted))
+        by_hash = dict(zip(cands["hashes"][positions].tolist(), positions.tolist()))
+        return np.array([by_hash[h] for h in self.first if h in by_hash], dtype=np.int64)
 
     def _order_captions(self, cands: Dict[str, np.ndarray], limit: int) -> np.ndarray:
         """Positions into ``cands``, most useful first."""
@@ -514,7 +542,14 @@ class FeedbackServer:
         with self._lock:
             skipped = set(self._skipped["caption"])
         cands = self.view.caption_candidates(skipped)
-        picked = self._order_captions(cands, limit)
+        front = self._front(cands)[:limit]
+        if len(front):  # the flagged captions first, then the usual order over the others
+            rest = np.setdiff1d(np.arange(len(cands["slots"])), front)
+            others = (self._order_captions({k: v[rest] for k, v in cands.items()}, limit - len(front))
+                      if limit > len(front) else np.zeros(0, np.int64))
+            picked = np.concatenate([front, rest[others]]).astype(np.int64)
+        else:
+            picked = self._order_captions(cands, limit)
         rows = self.view.caption_rows(cands["slots"][picked])
         human_pid = self._human_pid
         items = [self._caption_item(rows, i, human_pid) for i in range(len(picked))]

@@ -13,7 +13,13 @@ the :class:`~torchrl_oni.train.labelling.Labelling` it holds:
   (ONI's rule within a wall-time budget);
 * ``metrics()``: label counts and balance, annotation health, reward-model accuracy, the mean
   intrinsic reward and the fraction of steps rewarded; the most rewarded messages of the last
-  window go to ``<logdir>/top_messages.txt`` (the CSV holds numbers only).
+  window go to ``<logdir>/top_messages.txt`` (the CSV holds numbers only);
+* the reward-hacking diagnostics (:mod:`torchrl_oni.reward_hacking`): every collected batch's
+  captions, payments and deaths are tallied per episode (episodes told apart by the collector's
+  trajectory ids; 1.4-1.7 ms per 2,048-frame batch, 0.65 % of a 2-core run's wall time); at the
+  end of the run ``final_warnings``
+  writes ``<logdir>/reward_hacking.json`` and names, in a ``!!`` line of the summary, the paid
+  captions that come before deaths far above chance (``hacking/*`` in the last metrics row).
 
 Reward models (all optional):
 
@@ -44,7 +50,8 @@ import torch
 from tensordict import TensorDictBase
 
 from ..atomic import atomic_write
-from ..captions import MESSAGE_LEN, decode_message
+from ..captions import CAPTION_HASH_KEY, INTRINSIC_REWARD_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_message
+from ..reward_hacking import REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
 from ..run_folder import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
 from .config import TrainConfig, resolve_device
 from .labelling import Labelling
@@ -126,6 +133,7 @@ class IntrinsicRewardHook:
         self.heldout: Dict[str, float] = {}
         self.rm_last: Dict[str, float] = {}
         self._window = _RewardWindow()
+        self.hacking = _HackingWatch()
         self._closed = False
         try:
             device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
@@ -177,6 +185,7 @@ class IntrinsicRewardHook:
         if self.transform is not None:
             batch = self.transform(batch)
             self._window.add(batch, self.transform)
+        self.hacking.add(batch, self.transform)  # the reward alone, before RUNE's bonus joins it
         if self.after_reward is not None:
             # the type's own step (RUNE's bonus joins the intrinsic reward before the trainer mixes the rewards)
             batch = self.after_reward(batch)
@@ -214,6 +223,8 @@ class IntrinsicRewardHook:
             out.update(self._window.metrics())
             self._window.write_top(os.path.join(self.run_dir, TOP_MESSAGES_NAME), self.kind)
             self._window.reset()
+        if self._closed:  # the run's last row: the diagnostics over the whole run
+            out.update(self.hacking.metrics())
         return out
 
     # ------------------------------------------------------------------ saying it loudly
@@ -229,7 +240,8 @@ class IntrinsicRewardHook:
     def final_warnings(self, metrics: Dict[str, float]) -> List[str]:
         """Lines the run's summary must show when ONI did (almost) nothing: labels that never
         came, or a learned reward whose model never left chance."""
-        return self.labelling.final_warnings(metrics) + self._reward_model_warnings(metrics)
+        return (self.labelling.final_warnings(metrics) + self._reward_model_warnings(metrics)
+                + self.hacking.final_warnings(self.run_dir, self.store_path))
 
     def _reward_model_warnings(self, metrics: Dict[str, float]) -> List[str]:
         if self.rm_trainer is None or "reward_model/steps" not in metrics:
@@ -258,6 +270,7 @@ class IntrinsicRewardHook:
             objects["claim"] = self.claim  # the label budget spent
         if self.after_reward is not None:
             objects[self.after_reward.name] = self.after_reward  # RUNE: the bonus's decay
+        objects["hacking"] = self.hacking.tally  # the diagnostics' counts go on after --resume
         return objects
 
     def state_dict(self) -> dict:
@@ -293,6 +306,93 @@ class IntrinsicRewardHook:
                 self.save_store()
         finally:
             self.labelling.stop_server()
+
+
+class _HackingWatch:
+    """Feeds collected batches to the reward-hacking diagnostics (a :class:`HackingTally`).
+
+    Reads, per step: the caption the reward paid for (the root's ``caption_hash`` for
+    ``--reward-message acted``, the next one's otherwise, and for types that write the reward
+    themselves: ELLM), ``("next", "intrinsic_reward")``, ``("next", "done")``,
+    ``("next", "episode", "end_status")`` (1: death) and ``("collector", "traj_ids")`` when the
+    collector writes them. The texts of paid captions are kept for the report. A batch it cannot
+    read turns it off with one log line: diagnostics never stop training.
+    """
+
+    def __init__(self):
+        self.tally = HackingTally()
+        self.feed = EpisodeAssembler(self.tally)
+        self.enabled = True
+        self.report: Optional[dict] = None
+
+    def add(self, batch: TensorDictBase, transform) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._add(batch, transform)
+        except Exception as err:  # noqa: BLE001 - a diagnostic must never stop a run
+            self.enabled = False
+            log.warning("reward-hacking diagnostics off for this run: %s: %s", type(err).__name__, err)
+
+    def _add(self, batch: TensorDictBase, transform) -> None:
+        if transform is not None:
+            source = batch if transform.message == "acted" else batch.get("next")
+            hash_key, message_key, out_key = transform.hash_key, transform.message_key, transform.out_key
+        else:
+            source, hash_key, message_key, out_key = batch.get("next"), CAPTION_HASH_KEY, MESSAGE_KEY, INTRINSIC_REWARD_KEY
+        nxt = batch.get("next")
+        paid_t = nxt.get(out_key, None)
+        status = nxt.get(("episode", "end_status"), None)
+        if paid_t is None or status is None:
+            return  # nothing paid yet, or an env without episode statistics
+        shape = batch.shape
+        T = shape[-1] if len(shape) else 1
+        hashes = source.get(hash_key).reshape(-1, T).numpy()
+        paid = paid_t.reshape(-1, T).double().numpy()
+        done = nxt.get("done").reshape(-1, T).numpy()
+        died = status.reshape(-1, T).numpy() == 1
+        traj = batch.get(("collector", "traj_ids"), None)
+        traj = None if traj is None or traj.numel() != hashes.size else traj.reshape(-1, T).numpy()
+        self.feed.add(hashes, paid, done, died, traj)
+        texts = self.tally.texts
+        paying = np.flatnonzero(paid.reshape(-1) > 0)
+        if len(paying):
+            flat = hashes.reshape(-1)[paying]
+            new, first = np.unique(flat, return_index=True)
+            keep = [k for k, h in enumerate(new.tolist()) if h not in texts]
+            if keep:
+                messages = source.get(message_key).reshape(-1, MESSAGE_LEN)
+                for k in keep:
+                    texts[int(new[k])] = decode_message(messages[int(paying[first[k]])])
+
+    def metrics(self) -> Dict[str, float]:
+        report = self._report()
+        if report is None:
+            return {}
+        return {"hacking/episodes": float(report["episodes"]), "hacking/deaths": float(report["deaths"]),
+                "hacking/paid_captions": float(report["paid_captions"]),
+                "hacking/flagged_captions": float(len(report["flagged"]))}
+
+    def _report(self) -> Optional[dict]:
+        if self.report is None and self.tally.episodes:
+            self.report = self.tally.report()
+        return self.report
+
+    def final_warnings(self, run_dir: str, store_path: Optional[str]) -> List[str]:
+        """Writes ``<run_dir>/reward_hacking.json``; the summary's ``!!`` lines."""
+        report = self._report()
+        if report is None:
+            return []
+        import json
+
+        path = os.path.join(run_dir, REWARD_HACKING_NAME)
+        data = json.dumps(report, indent=1).encode("utf-8")
+        try:
+            atomic_write(path, lambda f: f.write(data))
+        except OSError as err:
+            log.warning("cannot write %s: %s", path, err)
+        hint = f" (oni-label --store {store_path} shows them first; details: {path})" if store_path else f" ({path})"
+        return [line + hint for line in report["warnings"]]
 
 
 class _RewardWindow:

@@ -178,7 +178,8 @@
     const s = ui.state;
     if (!s) return;
     $("counter").textContent = plural(s.given, "label") + " given";
-    $("order-note").textContent = s.order === "disagree" ? "(ordered by reward-model disagreement)" : "(most seen first)";
+    $("order-note").textContent = (s.first ? "(" + plural(s.first, "flagged caption") + " first, then " : "(") +
+      (s.order === "disagree" ? "ordered by reward-model disagreement)" : "most seen first)");
     $("store-text").textContent =
       s.store.size + " captions, " + s.store.labelled + " labelled (" + s.human_total.captions + " by people); " +
       s.waiting.captions + " waiting for a person; " + s.store.pairs + " pairs, " + s.waiting.pairs + " waiting." +
@@ -211,7 +212,7 @@
     $("toggle-llm").setAttribute("aria-pressed", String(ui.showLLM));
     if (captions) {
       $("message").textContent = item ? item.text : "";
-      $("seen").textContent = item ? "seen " + plural(item.times_seen, "time") : "";
+      $("seen").textContent = item ? "seen " + plural(item.times_seen, "time") + (item.note ? "; " + item.note : "") : "";
       $("llm").textContent = item ? describeLLM(item.llm, false) : "";
       $("llm").hidden = !ui.showLLM;
       showScreen($("screen"), item, $("screen-note"));
