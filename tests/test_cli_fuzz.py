@@ -326,6 +326,8 @@ def _misc_cases():
     out += [
         ("oni-train", ["--task", "chess"], "chess", None),
         ("oni-train", ["--config", "{config.yaml}", "--preset", "oni"], None, None),
+        ("oni-train", ["--worker-stall-timeout", "-1"], "--worker-stall-timeout", None),
+        ("oni-train", ["--worker-stall-timeout", "nan"], "--worker-stall-timeout", None),
         ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,
                                 "--annotator-kwargs", '{"nope": 1}'], "--annotator", None),
         ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,
