@@ -358,6 +358,8 @@ def _misc_cases():
         ("oni-train", ["--workers", "1", "--envs-per-worker", "4096", "--rollout", "1000", "--frames", "1e10"], "--rollout",
          None),
 
+        ("oni-train", ["--worker-stall-timeout", "-1"], "--worker-stall-timeout", None),
+        ("oni-train", ["--worker-stall-timeout", "nan"], "--worker-stall-timeout", None),
         ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,
                                 "--annotator-kwargs", '{"nope": 1}'], "--annotator", None),
         ("oni-annotate-pairs", ["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", LEGACY_ANN,

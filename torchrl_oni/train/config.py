@@ -277,6 +277,10 @@ class DistributedConfig:
     worker_restarts: int = setting(3, "--backend local: times the env worker processes are restarted (from the "
                                    "current weights) after one of them dies; then the run stops with its checkpoint "
                                    "saved")
+    worker_stall_timeout: float = setting(60.0, "--backend local: seconds an env worker process may stay alive "
+                                          "but silent (no batch: stuck in NetHack, stopped by SIGSTOP; 5x as long "
+                                          "before its first batch) before it is killed and the env workers restart as "
+                                          "after a death (--worker-restarts); the log names it; 0: never")
 
 
 def _reward_sections():
@@ -409,6 +413,7 @@ class TrainConfig:
             (self.distributed.ray_num_cpus_per_actor > 0, "--ray-num-cpus-per-actor must be positive"),
             (self.distributed.ray_max_restarts >= -1, "--ray-max-restarts must be -1 (no limit) or more"),
             (self.distributed.worker_restarts >= 0, "--worker-restarts must be non-negative"),
+            (self.distributed.worker_stall_timeout >= 0, "--worker-stall-timeout must be non-negative (0: off)"),
             (rm.ensemble >= 1, "--rm-ensemble must be at least 1"),
             (rm.surf_tau == 0 or 0.5 < rm.surf_tau <= 1, "--rm-surf-tau must be in (0.5, 1] (0: SURF off)"),
             (rm.surf_lambda >= 0, "--rm-surf-lambda must be non-negative"),

@@ -16,7 +16,11 @@ Contract, the same for both (what the trainer relies on):
   frames delivered;
 * ``collector.update_policy_weights_(weights)``: ``TensorDict.from_module(actor)`` on CPU; does
   not wait for the workers;
-* ``collector.shutdown()``: stops the workers (and the Ray instance the run started).
+* ``collector.shutdown()``: stops the workers (and the Ray instance the run started);
+* ``collector.last_worker``: the index of the worker whose batch came last (None: unknown), and,
+  for a backend whose workers the trainer restarts (``"local"``), ``collector.procs``: the worker
+  processes, which the trainer's stall watchdog (:mod:`torchrl_oni.train.watchdog`) kills when
+  they go silent.
 
 With ``worker_policies`` (``"local"`` only) the workers act through a
 :class:`~torchrl_oni.train.acting.PolicyServer` on the learner's device instead of their own CPU
@@ -99,6 +103,7 @@ from .backends import get_backend
 __all__ = [
     "ObjectStoreWeightSyncScheme",
     "RayEnvCollector",
+    "LocalEnvCollector",
     "ServedPolicyCollector",
     "check_backend",
     "check_ray",
@@ -639,7 +644,28 @@ class _Given:
         return self.policy
 
 
-class ServedPolicyCollector(MultiAsyncCollector):
+class LocalEnvCollector(MultiAsyncCollector):
+    """TorchRL's ``MultiAsyncCollector`` that says which worker produced each batch.
+
+    Attributes:
+        last_worker: index of the worker whose batch was handed over last (as
+            :class:`RayEnvCollector`'s); the trainer's stall watchdog
+            (:mod:`torchrl_oni.train.watchdog`) times each worker's silence from it.
+    """
+
+    last_worker: Optional[int] = None
+
+    def _get_from_queue(self, *args, **kwargs):
+        # TorchRL 0.14: (worker index, batch count, batch); anything else leaves the index unknown
+        got = super()._get_from_queue(*args, **kwargs)
+        try:
+            self.last_worker = int(got[0])
+        except (TypeError, ValueError, IndexError):
+            self.last_worker = None
+        return got
+
+
+class ServedPolicyCollector(LocalEnvCollector):
     """``MultiAsyncCollector`` whose workers act through a :class:`~torchrl_oni.train.acting.PolicyServer`.
 
     Each worker's policy is a client of the server. The weights live on the server, so
@@ -707,8 +733,9 @@ def make_collector(
 
 def make_local_collector(env_factories: Sequence[Callable], policy: torch.nn.Module, *, frames_per_batch: int,
                          total_frames: int, worker_policies=None, exploration_type=None):
-    """The ``local`` backend: ``MultiAsyncCollector``, one process per factory on this machine
-    (:class:`ServedPolicyCollector` when the workers act through a policy server)."""
+    """The ``local`` backend: ``MultiAsyncCollector`` (:class:`LocalEnvCollector`), one process per
+    factory on this machine (:class:`ServedPolicyCollector` when the workers act through a policy
+    server)."""
     from torchrl.weight_update import SharedMemWeightSyncScheme
 
     from ..spawn_check import check_main_guard
@@ -724,7 +751,7 @@ def make_local_collector(env_factories: Sequence[Callable], policy: torch.nn.Mod
             raise ValueError(f"{len(worker_policies)} worker policies for {len(env_factories)} env workers")
         return ServedPolicyCollector(list(env_factories), policy_factory=[_Given(p) for p in worker_policies],
                                      **common)
-    return MultiAsyncCollector(
+    return LocalEnvCollector(
         list(env_factories),
         policy,
         **common,

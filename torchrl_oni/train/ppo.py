@@ -232,6 +232,7 @@ class Trainer:
         self.params, self.optimizer = self.learner.params, self.learner.optimizer
         self.server = None  # the inference server when the policy acts on the learner's device
         self.collector = None  # the env workers' collector of the running train()
+        self.watchdog = None  # the collector's StallWatchdog (silent local workers), while it runs
         self.frames = 0
         self.iterations = 0
         self.episodes = EpisodeWindow(cfg.log.stats_window)
@@ -318,12 +319,37 @@ class Trainer:
         )
         return self.collector
 
+    def _watch(self, collector):
+        """A :class:`~torchrl_oni.train.watchdog.StallWatchdog` over the collector's worker
+        processes (``--worker-stall-timeout``), for backends whose workers the trainer restarts."""
+        from .watchdog import StallWatchdog, release_weight_acks
+
+        timeout = self.cfg.distributed.worker_stall_timeout
+        procs = getattr(collector, "procs", None)
+        if not timeout or not procs or not get_backend(self.cfg.distributed.backend).restart_workers:
+            return None
+        return StallWatchdog(procs, timeout, release=lambda workers: release_weight_acks(collector, workers)).start()
+
+    def _stop_watchdog(self) -> Optional[str]:
+        """Stops the watchdog; what it did, in words (None if it did not kill)."""
+        watchdog, self.watchdog = self.watchdog, None
+        if watchdog is None:
+            return None
+        watchdog.stop()
+        return watchdog.fired
+
+    def _waiting(self, phase: str):
+        watchdog = getattr(self, "watchdog", None)
+        return watchdog.waiting(phase) if watchdog is not None else contextlib.nullcontext()
+
     def _collected_batches(self, per_batch: int):
         """Batches from the env workers until the run's frames are collected. A worker process
         that dies (the OOM killer, a crash in NetHack) stops TorchRL's collector; the workers are
         then started again from the current weights, up to ``--worker-restarts`` times, and the
-        run says so once each time. Workers that fail before their first batch are not restarted
-        (the same error would come back): :class:`EnvWorkerError` with the worker's own error."""
+        run says so once each time. A worker alive but silent for ``--worker-stall-timeout`` is
+        killed by the stall watchdog (train/watchdog.py), which turns it into a dead one. Workers
+        that fail before their first batch are not restarted (the same error would come back):
+        :class:`EnvWorkerError` with the worker's own error."""
         cfg = self.cfg
         restarts = 0
         while True:
@@ -331,16 +357,27 @@ class Trainer:
             started = False
             try:
                 collector = self._make_collector(total_frames=-(-remaining // per_batch) * per_batch)
-                for batch in collector:
+                self.watchdog = self._watch(collector)
+                batches = iter(collector)
+                while True:
+                    with self._waiting("batch"):
+                        batch = next(batches, None)
+                    if batch is None:
+                        return
+                    if self.watchdog is not None:
+                        self.watchdog.delivered(getattr(collector, "last_worker", None))
                     started = True
                     yield batch
-                return
             except Exception as err:  # noqa: BLE001 — the collector's errors only: hooks run outside
+                stalled = self._stop_watchdog()
                 death = _worker_death(err)
+                if stalled is not None and death is not None:
+                    death = f"{stalled}, killed after --worker-stall-timeout {cfg.distributed.worker_stall_timeout:g} s"
                 if not started or death is None:
                     first = (str(err).strip().splitlines() or [""])[0]
                     what = "env worker failed to start" if not started else "env workers stopped"
-                    raise EnvWorkerError(f"{what}: {type(err).__name__}: {first}") from err
+                    detail = death if stalled is not None and death is not None else f"{type(err).__name__}: {first}"
+                    raise EnvWorkerError(f"{what}: {detail}") from err
                 restartable = get_backend(cfg.distributed.backend).restart_workers
                 if not restartable or restarts >= cfg.distributed.worker_restarts:
                     raise EnvWorkerError(f"env {death} at {self.frames:,} frames, after {restarts} restart(s) of the "
@@ -350,6 +387,8 @@ class Trainer:
                             "(restart %d of %d)", death, f"{self.frames:,}", restarts, cfg.distributed.worker_restarts)
                 with contextlib.suppress(Exception):
                     self.collector.shutdown()
+            finally:
+                self._stop_watchdog()
 
     # ------------------------------------------------------------------ rewards
     def shape_reward(self, batch: TensorDictBase) -> TensorDictBase:
@@ -498,6 +537,7 @@ class Trainer:
                     break
         finally:
             stopping.saving = True
+            self._stop_watchdog()  # before the workers go: nothing is killed during the final save
             if self.collector is not None:
                 self.collector.shutdown()
             if self.server is not None:
@@ -541,4 +581,5 @@ class Trainer:
         if self.server is not None:
             self.server.update_weights(weights)
             return
-        self.collector.update_policy_weights_(weights if self.device.type == "cpu" else weights.to("cpu"))
+        with self._waiting("weights"):  # a weight sync waiting for a silent worker's acknowledgement
+            self.collector.update_policy_weights_(weights if self.device.type == "cpu" else weights.to("cpu"))
