@@ -82,6 +82,15 @@ def test_stored_rollout_equals_what_the_env_showed_live(make):
     assert env.transform[0].aliased  # NLE reuses its arrays: the copy is needed here
 
 
+def test_one_game_hashes_equal_the_batch_hashes():
+    env = TransformedEnv(GymEnv("NetHackScore-v0"), Compose(CopyAliasedObservations(), CaptionHash()))
+    env.set_seed(0)
+    td = env.rollout(40)
+    env.close()
+    assert td["caption_hash"].tolist() == hash_messages(td["message"].numpy()).tolist()
+    assert td["next", "caption_hash"].tolist() == hash_messages(td["next", "message"].numpy()).tolist()
+
+
 def test_without_the_copy_nle_stores_the_last_observation_everywhere():
     # why the copy exists: if this ever fails, NLE stopped reusing its buffers
     env = GymEnv("NetHackScore-v0")

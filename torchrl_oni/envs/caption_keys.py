@@ -55,6 +55,7 @@ from torchrl.envs.transforms import Transform
 
 from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_messages
 from ..transform_keys import KeyedTransform, KeyRole
+from .batched import _HashCache
 
 __all__ = ["CopyAliasedObservations", "CaptionHash", "MessageCounter"]
 
@@ -107,16 +108,18 @@ class CopyAliasedObservations(Transform):
         return repeated
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        if self._seen_before(next_tensordict) and not self.aliased:
+        if self.aliased or self.always:  # latched: no need to look at the pointers again
+            return next_tensordict.clone()
+        if self._seen_before(next_tensordict):
             self.aliased = True
             log.info("the env hands out the same observation buffers at every step (NLE's gymnasium "
                      "env does): copying each step's observations")
-        if self.aliased or self.always:
             return next_tensordict.clone()
         return next_tensordict
 
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        self._previous = _storage_pointers(tensordict_reset)
+        if not (self.aliased or self.always):
+            self._previous = _storage_pointers(tensordict_reset)
         return tensordict_reset.clone()
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -156,12 +159,16 @@ class CaptionHash(KeyedTransform, Transform):
     def __init__(self, in_keys=None, out_keys=None):
         in_keys, out_keys = self._resolve_keys(in_keys, out_keys, {})
         super().__init__(in_keys=in_keys, out_keys=out_keys)
+        self._cache = _HashCache()
 
     def _hash(self, messages: torch.Tensor) -> torch.Tensor:
         if messages.dtype != torch.uint8 or messages.shape[-1:] != (MESSAGE_LEN,):
             raise ValueError(f"CaptionHash: '{self.in_keys[0]}' must be uint8[..., {MESSAGE_LEN}] NetHack "
                              f"messages, got {messages.dtype} {list(messages.shape)}")
         flat = messages.reshape(-1, MESSAGE_LEN).cpu().numpy()
+        if flat.shape[0] == 1:  # one game a step (GymEnv): NetHack repeats a few thousand messages
+            return torch.tensor(self._cache(flat[0].tobytes().split(b"\x00", 1)[0]), dtype=torch.int64).reshape(
+                messages.shape[:-1]).to(messages.device)
         return torch.from_numpy(hash_messages(flat)).reshape(messages.shape[:-1]).to(messages.device)
 
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
