@@ -119,7 +119,7 @@ def fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
     alternative="greater")``). A sum of ``min(n1, a + c) - a + 1`` terms: cheap for evaluation sizes.
 
     Example:
-        >>> round(fisher_greater(8, 10, 2, 10), 4), fisher_greater(0, 10, 5, 10)
+        >>> round(fisher_greater(8, 10, 2, 10), 4), round(fisher_greater(0, 10, 5, 10), 4)
         (0.0115, 1.0)
     """
     if n1 < 0 or n2 < 0 or not 0 <= a <= n1 or not 0 <= c <= n2:
