@@ -144,7 +144,12 @@ def _build_samples(root: Path) -> dict:
     out["messages.txt"] = root / "messages.txt"
     for name, data in {"numbers.json": [1, 2], "flagged-nohash.json": {"flagged": [{"message": "x"}]},
                        "flagged-bighash.json": {"flagged": [{"hash": str(2 ** 70), "deaths_preceded": 1}],
-                                                "deaths": 1, "window": 20}}.items():
+                                                "deaths": 1, "window": 20},
+                       # evaluations to compare with (--baseline): another task, the fuzz run's task
+                       "eval-oracle.json": {"episodes": 2, "task": "NetHackOracleExtendedActions-v1",
+                                            "death_causes": {"died": 1}},
+                       "eval-score.json": {"episodes": 2, "task": "NetHackScoreExtendedActions-v1",
+                                           "death_causes": {"died": 1}}}.items():
         (root / name).write_text(json.dumps(data))
         out[name] = root / name
     return out
@@ -191,7 +196,8 @@ def _damaged_file_cases():
                       ["--store", "{captions.pt}", "--screens", "{bad}", "--port", "0"],
                       ["--store", "{captions.pt}", "--first", "{bad}", "--port", "0"]],
         "oni-eval": [["{bad}", "--no-progress"],
-                     ["{run}", "--caption-store", "{bad}", "--no-progress", "--episodes", "1"]],
+                     ["{run}", "--caption-store", "{bad}", "--no-progress", "--episodes", "1"],
+                     ["{run}", "--baseline", "{bad}", "--no-progress", "--episodes", "1"]],
         "oni-replay": [["{bad}", "-o", "{tmp}/out.html"]],
         "oni-plot": [["{badrun}", "-o", "{tmp}/out.png"]],
         "oni-train": [["--config", "{bad}"],
@@ -242,6 +248,7 @@ def _path_cases():
             ("oni-label", ["--store", "{captions.pt}", "--first", path, "--port", "0"], "--first", None),
             ("oni-eval", [path, "--no-progress"], None, None),
             ("oni-eval", ["{run}", "--caption-store", path, "--no-progress"], None, None),
+            ("oni-eval", ["{run}", "--baseline", path, "--no-progress"], "--baseline", None),
             ("oni-replay", [path], None, None),
             ("oni-plot", [path, "-o", "{tmp}/o.png"], None, None),
             ("oni-train", ["--config", path], None, None),
@@ -273,6 +280,8 @@ def _overwrite_cases():
     return [
         ("oni-eval", ["{run}", "-o", "{run}/checkpoint.pt", "--no-progress"], "-o", None),
         ("oni-eval", ["{run}", "-o", "{run}/captions.pt", "--no-progress"], "-o", None),
+        ("oni-eval", ["{run}", "--baseline", "{eval-score.json}", "-o", "{eval-score.json}", "--no-progress"], "-o",
+         None),
         ("oni-plot", ["{run}", "-o", "{run}/metrics.csv"], "-o", None),
         ("oni-replay", ["{episode.npz}", "-o", "{episode.npz}"], "-o", None),
         ("oni-replay", ["{episode.npz}", "--gif", "{episode.npz}"], "--gif", None),
@@ -419,6 +428,9 @@ def _misc_cases():
         ("oni-label", ["--store", "{captions.pt}", "--first", "{flagged-bighash.json}", "--port", "0"], "--first",
          None),
         ("oni-eval", ["{run}", "--task", "chess", "--no-progress"], None, None),
+        ("oni-eval", ["{run}", "--baseline", "{eval-oracle.json}", "--no-progress"], "--baseline", None),
+        ("oni-eval", ["{run}", "--baseline", "{eval.json}", "--no-progress"], "--baseline", None),
+        ("oni-eval", ["{run}", "--baseline", "{eval-score.json}", "--no-progress"], OK_OR_ERROR, None),
         ("oni-eval", ["{run}", "--episodes", "2", "--record", "3", "--no-progress"], "--record", None),
         ("oni-serve", ["--backend", "scripted", "--", "--x"], None, None),
         ("oni-serve", ["--api-key", "a b"], None, None),

@@ -170,6 +170,34 @@ def test_the_table_ends_the_diagnostics_with_the_flagged_captions(light_run):
     assert lines.index(flagged[0]) > [i for i, line in enumerate(lines) if line.startswith("reward hacking: ")][0]
 
 
+def test_death_causes_are_checked_against_a_baseline_evaluation(light_run, tmp_path):
+    from test_reward_hacking import EAT, TEXTS, _baseline, _eaters
+    from torchrl_oni.evaluate import format_table
+    from torchrl_oni.reward_hacking import death_causes_check, read_flagged
+
+    first = evaluate(light_run, episodes=2, workers=1, write=False, progress=False)
+    check = first["death_causes_check"]
+    assert check["baseline"] is None and check["episodes"] == 2
+    assert check["deaths"] == first["end_status"]["death"] and check["flagged"] == []
+    assert "how the agents die: " in format_table(first)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / EVAL_NAME).write_text(json.dumps(dict(first, intrinsic_reward="none")))
+    result = evaluate(light_run, episodes=2, workers=1, baseline=str(tmp_path / "base"),
+                      output=str(tmp_path / "eval.json"), progress=False)
+    assert result["death_causes_check"]["baseline"]["source"] == str(tmp_path / "base" / EVAL_NAME)
+    assert json.load(open(tmp_path / "eval.json"))["death_causes_check"] == result["death_causes_check"]
+    # the table prints a flagged cause with its !! line, after the caption diagnostics
+    causes, paid = _eaters()
+    result["death_causes_check"] = death_causes_check(causes, paid=paid, texts=TEXTS, intrinsic_reward="retrieval",
+                                                      baseline=_baseline({"died": 50, "choking": 2}))
+    lines = format_table(result).splitlines()
+    assert any(line.startswith("!! choking ends 43 of 64 episodes against 2 of 64") for line in lines)
+    assert lines.index("how the agents die: 61 deaths in 64 episodes; baseline none-s0/eval.json (52 deaths in 64 "
+                       "episodes, intrinsic reward none):") > 0
+    (tmp_path / "flagged.json").write_text(json.dumps({k: v for k, v in result.items() if k != "reward_hacking"}))
+    assert [h for h, _ in read_flagged(tmp_path / "flagged.json")] == [EAT]
+
+
 @pytest.mark.parametrize("arch", ["oni", "oni-lstm"])
 def test_recurrent_policies_evaluate(tmp_path, arch):
     run = _run(tmp_path / arch, arch=arch)
@@ -210,6 +238,15 @@ def test_errors_are_one_line_with_exit_status_2(light_run, tmp_path, capsys):
     _error(capsys, [light_run, "--bogus"])
     _error(capsys, [light_run, "--greedy", "--sample"])
     assert "CaptionStore" in _error(capsys, [light_run, "--caption-store", str(tmp_path / "truncated.pt")])
+    assert "--baseline: " in _error(capsys, [light_run, "--baseline", str(tmp_path / "missing")])
+    assert "holds no eval.json" in _error(capsys, [light_run, "--baseline", str(tmp_path)])
+    (tmp_path / "damaged.json").write_text('{"episodes": 2, "task": ')
+    assert "not a JSON file" in _error(capsys, [light_run, "--baseline", str(tmp_path / "damaged.json")])
+    other = {"episodes": 2, "task": "NetHackOracleExtendedActions-v1", "death_causes": {"died": 1}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert "not NetHackScoreExtendedActions-v1" in _error(capsys, [light_run, "--baseline", str(tmp_path / "other.json")])
+    assert "-o " in _error(capsys, [light_run, "--baseline", str(tmp_path / "other.json"), "-o",
+                                   str(tmp_path / "other.json")])
 
 
 @pytest.mark.slow

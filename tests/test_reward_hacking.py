@@ -302,3 +302,149 @@ def test_a_batch_it_cannot_read_turns_the_diagnostics_off(caplog):
     watch.add(td, _Acted())
     assert not watch.enabled and "reward-hacking diagnostics off" in caplog.text
     assert watch.final_warnings("/nonexistent", None) == []
+
+
+# ------------------------------------------------------------------------------------ how the agents die
+from torchrl_oni.reward_hacking import (SELF_INFLICTED, death_causes_check, format_death_causes,  # noqa: E402
+                                        read_baseline)
+from torchrl_oni.stats import fisher_greater  # noqa: E402
+
+TASK = "NetHackStaircaseExtendedActions-v1"
+
+
+def _baseline(causes, episodes=64, reward="none"):
+    return {"source": "none-s0/eval.json", "task": TASK, "intrinsic_reward": reward, "episodes": episodes,
+            "deaths": sum(causes.values()), "death_causes": dict(causes)}
+
+
+def _eaters(seed=0):
+    """64 episodes: 43 choke, 18 die otherwise, 3 succeed. The meal EAT is paid in 24 of them, 22 of
+    which choke; GOLD is paid in every other episode, whatever the ending."""
+    rng = np.random.default_rng(seed)
+    causes = ["choking"] * 43 + ["died"] * 18 + [None] * 3
+    paid = []
+    for e, cause in enumerate(causes):
+        hashes = {GOLD} if e % 2 else set()
+        if (cause == "choking" and e < 22) or e in (50, 62):
+            hashes.add(EAT)
+        paid.append(hashes)
+    order = rng.permutation(len(causes))
+    return [causes[i] for i in order], [paid[i] for i in order]
+
+
+def test_a_cause_far_above_the_baseline_is_flagged_and_its_captions_named():
+    causes, paid = _eaters()
+    check = death_causes_check(causes, paid=paid, texts=TEXTS, intrinsic_reward="retrieval",
+                               baseline=_baseline({"died": 50, "choking": 2}))
+    assert check["flagged"] == ["choking"] and check["deaths"] == 61
+    choking, died = check["by_cause"]
+    assert choking["cause"] == "choking" and choking["deaths"] == 43 and choking["baseline_deaths"] == 2
+    assert choking["ratio"] == pytest.approx(21.5) and choking["ratio_ci95"][0] >= 2.0 and choking["p"] < 1e-9
+    assert not died["flagged"] and died["ratio"] < 1  # fewer ordinary deaths than the baseline: not hacking
+    assert [r["message"] for r in choking["captions"]] == [TEXTS[EAT]]  # GOLD is paid whatever the ending
+    eat = choking["captions"][0]
+    assert (eat["episodes_paid"], eat["ending"]) == (24, 22) and eat["ratio_ci95"][0] > 1.0
+    [warning] = check["warnings"]
+    assert warning.startswith("choking ends 43 of 64 episodes against 2 of 64 without the intrinsic reward (ratio 21")
+    assert "around eating" in warning and TEXTS[EAT] in warning
+    lines = format_death_causes(check)
+    assert lines[-1] == "!! " + warning
+    assert any(line.strip().startswith("choking") and line.endswith("!!") for line in lines)
+    assert any(TEXTS[EAT] in line and "22 end in choking" in line for line in lines[:-1])
+    json.dumps(check, allow_nan=False)  # JSON-ready
+    # a cause absent from the baseline: an infinite ratio, printed as such
+    check = death_causes_check(causes, baseline=_baseline({"died": 50}), intrinsic_reward="retrieval")
+    assert check["flagged"] == ["choking"] and check["by_cause"][0]["ratio"] is None
+    assert "against 0 of 64" in check["warnings"][0] and "(ratio inf [" in check["warnings"][0]
+
+
+def test_causes_near_the_baseline_or_rare_are_not_flagged():
+    causes = ["choking"] * 20 + ["died"] * 30 + [None] * 14
+    check = death_causes_check(causes, baseline=_baseline({"choking": 16, "died": 30}), intrinsic_reward="retrieval")
+    assert check["flagged"] == [] and check["warnings"] == []
+    assert any("no death cause far above the baseline's" in line for line in format_death_causes(check))
+    # far above the baseline but a small share of the deaths: 4 of 200 episodes' 100 deaths
+    causes = ["drowning"] * 4 + ["died"] * 96 + [None] * 100
+    check = death_causes_check(causes, baseline=_baseline({"died": 100}, episodes=200), intrinsic_reward="retrieval")
+    assert check["rule"]["deaths_needed"] == 10 and check["flagged"] == []
+
+
+def test_without_a_baseline_a_dominant_self_inflicted_cause_is_flagged():
+    causes, paid = _eaters()
+    check = death_causes_check(causes, paid=paid, texts=TEXTS, intrinsic_reward="retrieval")
+    assert check["flagged"] == ["choking"] and check["baseline"] is None and "choking" in SELF_INFLICTED
+    [warning] = check["warnings"]
+    assert warning.startswith("choking ends 43 of 64 episodes, a death the agent brings on itself")
+    assert "--baseline" in warning and TEXTS[EAT] in warning and "oni-label" in warning
+    # not flagged: under half of the episodes, a cause monsters bring, or no intrinsic reward to hack
+    assert death_causes_check(["choking"] * 30 + [None] * 34, intrinsic_reward="retrieval")["flagged"] == []
+    assert death_causes_check(["died"] * 60 + [None] * 4, intrinsic_reward="retrieval")["flagged"] == []
+    check = death_causes_check(causes, intrinsic_reward="none")
+    assert check["flagged"] == [] and check["by_cause"][0]["captions"] is None
+    assert any("no intrinsic reward to check" in line for line in format_death_causes(check))
+    assert format_death_causes(death_causes_check([None, None], intrinsic_reward="retrieval"))[-1] == "  no deaths"
+
+
+def test_captions_are_linked_to_a_cause_at_the_episode_level():
+    """Enrichment on crafted episodes: a caption paid where the cause is as common as elsewhere is not listed."""
+    causes = ["starving"] * 10 + ["died"] * 10 + [None] * 20
+    paid = [{EAT} if e < 8 else ({GOLD} if e % 2 else set()) for e in range(40)]  # EAT: 8 of 8 starve
+    check = death_causes_check(causes, paid=paid, texts=TEXTS, intrinsic_reward="retrieval")
+    starving = next(r for r in check["by_cause"] if r["cause"] == "starving")
+    assert [r["hash"] for r in starving["captions"]] == [str(EAT)]
+    row = starving["captions"][0]
+    assert row["rate"] == 1.0 and row["rate_unpaid"] == pytest.approx(2 / 32)
+    assert row["p"] == pytest.approx(fisher_greater(8, 8, 2, 32))
+    died = next(r for r in check["by_cause"] if r["cause"] == "died")
+    assert died["captions"] == []
+    assert check["flagged"] == []  # starving is not self-inflicted (extrinsic-only agents starve too)
+
+
+def test_read_flagged_picks_up_the_captions_of_a_flagged_cause(tmp_path):
+    causes, paid = _eaters()
+    check = death_causes_check(causes, paid=paid, texts=TEXTS, intrinsic_reward="retrieval")
+    report = _choking().report(TEXTS)
+    (tmp_path / "eval.json").write_text(json.dumps({"reward_hacking": report, "death_causes_check": check}))
+    assert [h for h, _ in read_flagged(tmp_path / "eval.json")] == [EAT]  # already flagged: once
+    report["flagged"] = []
+    (tmp_path / "eval.json").write_text(json.dumps({"reward_hacking": report, "death_causes_check": check}))
+    [(h, why)] = read_flagged(tmp_path / "eval.json")
+    assert h == EAT and "linked to choking (flagged): 22 of the 24 episodes" in why
+    # an extrinsic-only evaluation's (reward_hacking not checked) still gives its flagged causes' captions
+    (tmp_path / "none.json").write_text(json.dumps({"reward_hacking": {"paid_by": None},
+                                                    "death_causes_check": check}))
+    assert [h for h, _ in read_flagged(tmp_path / "none.json")] == [EAT]
+    for bad in ({"by_cause": 3}, {"by_cause": [{"flagged": True, "captions": [{"hash": "x"}]}]}):
+        (tmp_path / "bad.json").write_text(json.dumps({"reward_hacking": report, "death_causes_check": bad}))
+        with pytest.raises(ValueError, match="death"):
+            read_flagged(tmp_path / "bad.json")
+
+
+def test_read_baseline_folders_files_and_bad_inputs(tmp_path):
+    good = {"episodes": 64, "task": TASK, "intrinsic_reward": "none", "death_causes": {"died": 40, "choking": 1}}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "eval.json").write_text(json.dumps(good))
+    base = read_baseline(tmp_path / "run")
+    assert base["deaths"] == 41 and base["task"] == TASK and base["source"].endswith("eval.json")
+    assert read_baseline(tmp_path / "run" / "eval.json") == base
+    (tmp_path / "empty").mkdir()
+    cases = {"missing.json": None, "empty": None, "damaged.json": '{"episodes": 6',
+             "list.json": "[1]", "no-causes.json": json.dumps({"episodes": 2, "task": TASK}),
+             "too-many.json": json.dumps(dict(good, episodes=3)),
+             "bool.json": json.dumps(dict(good, episodes=True)),
+             "negative.json": json.dumps(dict(good, death_causes={"died": -1}))}
+    for name, content in cases.items():
+        if content is not None:
+            (tmp_path / name).write_text(content)
+        with pytest.raises(ValueError) as err:
+            read_baseline(tmp_path / name)
+        assert "\n" not in str(err.value) and name in str(err.value), (name, err.value)
+
+
+def test_fisher_greater_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for a, n1, c, n2 in ((43, 64, 2, 64), (8, 8, 2, 32), (0, 10, 5, 10), (3, 3, 0, 0), (5, 20, 5, 20), (1, 1000, 0, 5)):
+        expected = stats.fisher_exact([[a, n1 - a], [c, n2 - c]], alternative="greater")[1]
+        assert fisher_greater(a, n1, c, n2) == pytest.approx(expected, rel=1e-6, abs=1e-12), (a, n1, c, n2)
+    with pytest.raises(ValueError):
+        fisher_greater(5, 4, 0, 1)

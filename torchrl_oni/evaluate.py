@@ -30,7 +30,8 @@ key                       meaning
                           (experience level), ``gold``, ``score`` (NetHack's in-game score),
                           ``kills``, ``scout`` (squares seen); ci95 from Student's t
 ``end_status``            episodes per ending: ``death``, ``timeout``, ``success``
-``death_causes``          deaths per NetHack ending (``died``, ``starved``, ``choked``...)
+``death_causes``          deaths per NetHack ending (NLE's names: ``died``, ``choking``,
+                          ``starving``...)
 ``messages``              ``sightings`` (non-empty messages seen, every observation of every
                           episode), ``distinct``, ``top`` (``[{message, count, label}]``),
                           and with a caption store: ``labelled_share`` and ``approved_share``
@@ -42,6 +43,12 @@ key                       meaning
                           return, repeated payments, and ``flagged``: the captions of the ``!!``
                           line; ``paid_by`` says how the payments were recomputed (the run's
                           labels for retrieval and classification), or is None with a ``reason``
+``death_causes_check``    hacking that shows in how the agents die
+                          (:func:`torchrl_oni.reward_hacking.death_causes_check`): per cause, its
+                          share of the episodes, against ``--baseline``'s (an evaluation of the
+                          same task, e.g. the extrinsic-only arm: rate ratio, 95 % CI, Fisher p),
+                          the paid captions whose episodes end in it more often, and ``flagged``:
+                          the causes of its ``!!`` lines
 ``checkpoint`` ...        where it came from: ``checkpoint``, ``task``, ``trained_task``,
                           ``arch``, ``intrinsic_reward``, ``frames_trained``, ``policy``,
                           ``seed``, ``episodes``, ``workers``, ``envs_per_worker``,
@@ -86,7 +93,8 @@ from .captions import decode_message, hash_bytes
 from .cli_errors import OneLineArgumentParser, overwritten_input, report
 from .run_folder import CAPTION_STORE_NAME, CONFIG_NAME, EVAL_NAME, METRICS_NAME, REPLAY_DIR
 from .spawn_check import check_main_guard
-from .reward_hacking import DEATH_WINDOW, REPORT_NAME as REWARD_HACKING_NAME, HackingTally, format_report
+from .reward_hacking import (DEATH_WINDOW, REPORT_NAME as REWARD_HACKING_NAME, HackingTally, death_causes_check,
+                             format_death_causes, format_report, read_baseline)
 from .stats import mean_ci, t_quantile_975, wilson_interval  # noqa: F401  (t_quantile_975: importable here for one release)
 
 __all__ = ["evaluate", "EvalError", "wilson_interval", "mean_ci", "format_table", "main", "EVAL_NAME"]
@@ -491,6 +499,7 @@ def evaluate(
     write: bool = True,
     progress: bool = True,
     death_window: int = DEATH_WINDOW,
+    baseline: Optional[str] = None,
 ) -> dict:
     """Plays ``episodes`` episodes with the policy of a run folder or checkpoint file.
 
@@ -513,6 +522,8 @@ def evaluate(
         progress: a progress bar over episodes (stderr).
         death_window: the reward-hacking diagnostics' N: a caption comes before a death when the
             episode ends in death at most N steps later.
+        baseline: an ``eval.json`` (or a run folder holding one) of the same task, e.g. the
+            extrinsic-only arm: each death cause's share of the episodes is compared with the baseline's.
 
     Returns:
         The ``eval.json`` dict (see the module docstring).
@@ -543,11 +554,19 @@ def evaluate(
         raise EvalError(f"--death-window must be in [1, 2**31) steps, got {death_window}")
 
     file, run_dir = _resolve_checkpoint(path)
+    base = None
+    if baseline is not None:
+        try:
+            base = read_baseline(baseline)
+        except ValueError as err:
+            raise EvalError(f"--baseline: {err}") from None
     if write:
         out = Path(output) if output else run_dir / EVAL_NAME
         inputs = [file] + [run_dir / name for name in (CAPTION_STORE_NAME, METRICS_NAME, CONFIG_NAME)]
         if caption_store not in (None, "none"):
             inputs.append(caption_store)
+        if base is not None:
+            inputs.append(base["source"])
         if overwritten_input(out, inputs) or out.is_dir():
             raise EvalError(f"-o {out} is {'a folder' if out.is_dir() else 'one of the inputs'}; "
                             f"choose another file for eval.json")
@@ -563,6 +582,9 @@ def evaluate(
             f"task {play_task} has {_num_actions(play_task)} actions but the checkpoint's policy was trained on "
             f"{trained_task} ({_num_actions(trained_task)} actions)"
         )
+    if base is not None and base["task"] != play_task:
+        raise EvalError(f"--baseline: {base['source']} evaluated {base['task'][:80]}, not {play_task}: compare "
+                        "evaluations of the same task")
     settings["task"] = play_task
     if max_episode_steps is not None:
         settings["max_episode_steps"] = int(max_episode_steps)
@@ -618,7 +640,10 @@ def evaluate(
     result["death_causes"] = dict(Counter(r["death_cause"] for r in rows if r["death_cause"]).most_common())
     result["messages"] = _message_summary(sightings, texts, rows, store)
     result["caption_store"] = store_path
-    result["reward_hacking"] = _hacking_report(rows, texts, store, settings, death_window)
+    result["reward_hacking"], paid_sets = _hacking_report(rows, texts, store, settings, death_window)
+    result["death_causes_check"] = death_causes_check(
+        [r["death_cause"] if r["end"] == "death" else None for r in rows], paid=paid_sets, texts=texts,
+        baseline=base, intrinsic_reward=settings["intrinsic_reward"])
 
     replays = []
     if record:
@@ -664,26 +689,28 @@ _PAID_BY_LABELS = {"retrieval": "the run's labels x msg_count^-{beta:g} (what re
                    "classification": "the run's labels x msg_count^-{beta:g} (approximating its classification model)"}
 
 
-def _hacking_report(rows: List[dict], texts: Dict[int, str], store, settings: dict, window: int) -> dict:
-    """The reward-hacking diagnostics of the played episodes (:mod:`torchrl_oni.reward_hacking`).
+def _hacking_report(rows: List[dict], texts: Dict[int, str], store, settings: dict, window: int) -> tuple:
+    """The reward-hacking diagnostics of the played episodes (:mod:`torchrl_oni.reward_hacking`)
+    and, per episode, the set of caption hashes it paid (None where unknown).
 
     What each step paid is recomputed from the run's labels (``R(m) · msg_count^-beta`` of the
     caption ONI pays for, the observation acted on by default); ``{"paid_by": None, "reason": ...}``
     where it cannot be."""
     kind = settings["intrinsic_reward"]
     if kind == "none":
-        return {"paid_by": None, "reason": "the run paid no intrinsic reward (extrinsic only)"}
+        return {"paid_by": None, "reason": "the run paid no intrinsic reward (extrinsic only)"}, None
     if kind not in _PAID_BY_LABELS:
         return {"paid_by": None, "reason": f"oni-eval cannot recompute a {kind} reward; the training run's "
-                                           f"{REWARD_HACKING_NAME} has its diagnostics"}
+                                           f"{REWARD_HACKING_NAME} has its diagnostics"}, None
     if store is None:
-        return {"paid_by": None, "reason": "no caption store: the run's labels are unknown (--caption-store)"}
+        return {"paid_by": None, "reason": "no caption store: the run's labels are unknown (--caption-store)"}, None
     beta = settings["count_exponent"]
     acted = settings.get("reward_message", "acted") == "acted"
     tally = HackingTally(window)
     sequences = [r["_sequence"] for r in rows]
     hashes = np.unique(np.concatenate([q[:, 1] for q in sequences])) if sequences else np.zeros(0, np.int64)
     labels = np.nan_to_num(_labels_of(store, hashes), nan=0.0).astype(np.float64)
+    paid_sets = []
     for row, seq in zip(rows, sequences):
         length = row["length"]
         obs, h, count = seq[:, 0], seq[:, 1], seq[:, 2]
@@ -693,9 +720,10 @@ def _hacking_report(rows: List[dict], texts: Dict[int, str], store, settings: di
         step, h, count = step[keep], h[keep], count[keep]
         paid = labels[np.searchsorted(hashes, h)] * np.maximum(count, 1).astype(np.float64) ** -beta
         tally.add_episode(h, paid, step, length, row["end"] == "death")
+        paid_sets.append(set(h[paid > 0].tolist()))
     report = tally.report(texts)
     report["paid_by"] = _PAID_BY_LABELS[kind].format(beta=beta)
-    return report
+    return report, paid_sets
 
 
 def _write_replays(results, rows, store, settings, result, action_names, folder: Path) -> List[str]:
@@ -781,6 +809,10 @@ def format_table(result: dict) -> str:
             lines += format_report(hacking)
             if hacking["flagged"] and result.get("caption_store"):
                 lines.append(f"!! relabel them first: oni-label --store {result['caption_store']}")
+    check = result.get("death_causes_check")
+    if check:
+        lines.append("")
+        lines += format_death_causes(check)
     if result.get("replays"):
         lines.append(f"replays: {len(result['replays'])} in {Path(result['replays'][0]).parent} (oni-replay FILE)")
     lines.append(f"{result['steps']:,} steps in {result['time_s']:.1f} s")
@@ -808,6 +840,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--death-window", type=int, default=DEATH_WINDOW, metavar="N",
                    help="reward-hacking diagnostics: a paid caption comes before a death when the episode ends in "
                         "death at most N steps later (default: %(default)s)")
+    p.add_argument("--baseline", default=None, metavar="OTHER",
+                   help="an eval.json (or a run folder holding one) of the same task, e.g. the extrinsic-only arm: "
+                        "flags a death cause far more common here than there")
     p.add_argument("-o", "--output", default=None, help="where eval.json goes (default: RUN/eval.json)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
@@ -827,7 +862,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.path, args.episodes, task=args.task, seed=args.seed, greedy=args.greedy, workers=args.workers,
             envs_per_worker=args.envs_per_worker, max_episode_steps=args.max_episode_steps, record=args.record,
             record_dir=args.record_dir, caption_store=args.caption_store, output=args.output, progress=args.progress,
-            death_window=args.death_window,
+            death_window=args.death_window, baseline=args.baseline,
         )
     except EvalError as err:
         return report(PROG, str(err))
