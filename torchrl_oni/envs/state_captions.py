@@ -81,6 +81,7 @@ import numpy as np
 import torch
 
 from torchrl_oni.captions import MESSAGE_LEN, decode_message, hash_bytes, hash_messages
+from torchrl_oni.locks import OwnLockOnCopy
 
 __all__ = [
     "STATE_HASH_KEY",
@@ -252,7 +253,7 @@ class StateCaptions:
     new_keys: int = 0
 
 
-class StateCaptioner:
+class StateCaptioner(OwnLockOnCopy):
     """Writes state captions for a batch of observations, once per distinct state key.
 
     Args:
@@ -281,16 +282,9 @@ class StateCaptioner:
         self._adjacent_masks = {}
         self._lut: Optional[np.ndarray] = None
 
-    def __getstate__(self) -> dict:
-        # env workers receive a copy (a goal-conditioned policy's transform): no lock, a fresh cache
-        state = dict(self.__dict__)
-        state["_lock"] = None
+    def _copy_state(self, state: dict) -> None:
+        # env workers receive a copy (a goal-conditioned policy's transform): a fresh cache
         state["_cache"] = OrderedDict()
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def _adjacent(self, c: int) -> Tuple[np.ndarray, np.ndarray]:
         """Flat (adjacent?, is centre?) masks of a C×C crop."""

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from torchrl_oni.captions import MESSAGE_LEN, decode_message, hash_messages
+from torchrl_oni.locks import OwnLockOnCopy
 
 # The word vectors moved to rewards/text.py (with the sentence encoders); importing them from
 # here still works.
@@ -96,7 +97,7 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b) / (na * nb)
 
 
-class BoWReward:
+class BoWReward(OwnLockOnCopy):
     """ELLM-BoW reward: ``cos(e(m), e(goal)) · 1[cos > threshold]``, memoised per caption hash.
 
     Args:
@@ -129,16 +130,8 @@ class BoWReward:
         self._cache: "OrderedDict[int, float]" = OrderedDict()
         self._lock = threading.Lock()
 
-    def __getstate__(self) -> dict:
-        with self._lock:
-            state = dict(self.__dict__)
-            state["_cache"] = OrderedDict(self._cache)
-        del state["_lock"]  # a lock can be neither pickled nor deep-copied
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+    def _copy_state(self, state: dict) -> None:
+        state["_cache"] = OrderedDict(self._cache)  # the copy's cache is its own
 
     def similarity(self, text: str) -> float:
         """Cosine between ``text`` and the goal (no threshold, no cache)."""

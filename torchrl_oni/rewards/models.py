@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from torchrl_oni.captions import MESSAGE_LEN
+from torchrl_oni.locks import OwnLockOnCopy
 
 __all__ = ["MessageEncoder", "MessageClassifier", "MessageRewardModel", "as_message_tensor"]
 
@@ -169,7 +170,7 @@ class MessageRewardModel(nn.Module):
         return self.head(self.encoder(messages)).squeeze(-1)
 
 
-class ServedModel:
+class ServedModel(OwnLockOnCopy):
     """A network that serves rewards while a trainer updates a private copy of it.
 
     Readers take the current network under a lock and run it without holding the lock; the
@@ -187,20 +188,6 @@ class ServedModel:
         self.chunk_size = int(chunk_size)
         self._lock = threading.Lock()
         self._model = model.to(self.device).eval()
-
-    def __getstate__(self) -> dict:
-        # copies (deepcopy, pickle: ParallelEnv factories, a collector's postproc) serve the
-        # current weights with a lock of their own; a lock itself cannot be copied
-        with self._lock:
-            state = dict(self.__dict__)
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        import threading
-
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     @property
     def model(self) -> nn.Module:

@@ -25,6 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from torchrl_oni.locks import OwnLockOnCopy
+
 __all__ = ["count_scale", "threshold", "combine_rewards", "reward_streams", "RunningMeanStd"]
 
 
@@ -84,7 +86,7 @@ def combine_rewards(
     return ext + intr
 
 
-class RunningMeanStd:
+class RunningMeanStd(OwnLockOnCopy):
     """Running mean and variance over every value seen (parallel-merge update, float64).
 
     Thread-safe: updates and reads take an internal lock. Copies (``copy.deepcopy``, pickle,
@@ -136,17 +138,6 @@ class RunningMeanStd:
         with self._lock:
             mean, std = self.mean, max(self.std, self.min_std)
         return (values - mean) / std
-
-    def __getstate__(self) -> dict:
-        # a lock cannot be pickled or deep-copied; the copy is an independent object anyway
-        with self._lock:
-            state = dict(self.__dict__)
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def state_dict(self) -> dict:
         with self._lock:

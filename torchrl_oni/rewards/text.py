@@ -55,6 +55,8 @@ from typing import List, Optional, Protocol, Sequence, Union, runtime_checkable
 import numpy as np
 import torch
 
+from torchrl_oni.locks import OwnLockOnCopy
+
 __all__ = [
     "STOPWORDS",
     "VECTOR_KINDS",
@@ -318,7 +320,7 @@ class SentenceEncoder(Protocol):
         ...
 
 
-class _TextCache:
+class _TextCache(OwnLockOnCopy):
     """text → float32[dim] numpy row, least recently used dropped first; thread-safe."""
 
     def __init__(self, size: int):
@@ -328,16 +330,8 @@ class _TextCache:
         self.hits = 0
         self.misses = 0
 
-    def __getstate__(self) -> dict:
-        with self._lock:
-            state = dict(self.__dict__)
-            state["_rows"] = OrderedDict(self._rows)
-        del state["_lock"]  # a copy has a lock of its own
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+    def _copy_state(self, state: dict) -> None:
+        state["_rows"] = OrderedDict(self._rows)  # the copy's cache is its own
 
     def get_many(self, texts: Sequence[str]) -> List[Optional[np.ndarray]]:
         out = []
@@ -478,7 +472,7 @@ class MiniLMEncoder(_CachedEncoder):
         return f"MiniLMEncoder(dim={self.dim}, device={str(self.device)!r}, model_dir={str(self.model_dir)!r})"
 
 
-class HashedSentenceEncoder(_CachedEncoder):
+class HashedSentenceEncoder(OwnLockOnCopy, _CachedEncoder):
     """Fallback encoder: normalised sum of random per-word vectors (content words only).
 
     Two texts are close only when they share words ("kill" ~ "kill", never "kill" ~ "slay").
@@ -495,15 +489,6 @@ class HashedSentenceEncoder(_CachedEncoder):
         self.vectors = HashedWordVectors(dim=dim)
         self.dim = int(dim)
         self._lock = threading.Lock()  # HashedWordVectors' word cache is a plain dict
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def _compute(self, texts: List[str]) -> np.ndarray:
         with self._lock:
