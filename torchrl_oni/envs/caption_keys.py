@@ -53,7 +53,7 @@ from tensordict import TensorDictBase
 from torchrl.data import Unbounded
 from torchrl.envs.transforms import Transform
 
-from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_messages
+from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, message_bytes
 from ..transform_keys import KeyedTransform, KeyRole
 from .batched import _HashCache
 
@@ -166,10 +166,9 @@ class CaptionHash(KeyedTransform, Transform):
             raise ValueError(f"CaptionHash: '{self.in_keys[0]}' must be uint8[..., {MESSAGE_LEN}] NetHack "
                              f"messages, got {messages.dtype} {list(messages.shape)}")
         flat = messages.reshape(-1, MESSAGE_LEN).cpu().numpy()
-        if flat.shape[0] == 1:  # one game a step (GymEnv): NetHack repeats a few thousand messages
-            return torch.tensor(self._cache(flat[0].tobytes().split(b"\x00", 1)[0]), dtype=torch.int64).reshape(
-                messages.shape[:-1]).to(messages.device)
-        return torch.from_numpy(hash_messages(flat)).reshape(messages.shape[:-1]).to(messages.device)
+        # memoised: NetHack repeats a few thousand messages (hash_messages' hash, without rehashing)
+        hashes = np.fromiter((self._cache(message_bytes(row)) for row in flat), dtype=np.int64, count=len(flat))
+        return torch.from_numpy(hashes).reshape(messages.shape[:-1]).to(messages.device)
 
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
         if next_tensordict.get(self.out_keys[0], None) is None:
