@@ -544,9 +544,7 @@ def read_flagged(path) -> List[Tuple[int, str]]:
     out = []
     for r in rows:
         try:
-            h = int(r["hash"])
-            if not -2 ** 63 <= h < 2 ** 63:
-                raise ValueError
+            h = _int64(r["hash"])
             why = (f"flagged: before {int(r['deaths_preceded'])} of {int(deaths)} deaths within {int(window)} "
                    f"steps, {_times(_num(r['ratio']) if r.get('ratio') is not None else None)}x the rate of {base[:40]}")
         except (TypeError, KeyError, ValueError, OverflowError):
@@ -560,22 +558,29 @@ def _cause_flagged(path: Path, check) -> List[Tuple[int, str]]:
     """``read_flagged``'s rows for the captions listed under the flagged causes of a ``death_causes_check``."""
     if not isinstance(check, dict) or not isinstance(check.get("by_cause"), list):
         raise ValueError(f"{path}: 'death_causes_check' is not a death-cause check")
-    out = []
+    out, seen = [], set()
     for row in check["by_cause"]:
         if not isinstance(row, dict) or not row.get("flagged"):
             continue
         for r in row.get("captions") or []:
             try:
-                h = int(r["hash"])
-                if not -2 ** 63 <= h < 2 ** 63:
-                    raise ValueError
+                h = _int64(r["hash"])
                 why = (f"linked to {str(row['cause'])[:30]} (flagged): {int(r['ending'])} of the {int(r['episodes_paid'])} "
                        f"episodes that paid it end in it")
             except (TypeError, KeyError, ValueError, OverflowError):
                 raise ValueError(f"{path}: a caption under a flagged death cause without a valid hash and counts") from None
-            if h not in {x for x, _ in out}:
+            if h not in seen:
+                seen.add(h)
                 out.append((h, why))
     return out
+
+
+def _int64(value) -> int:
+    """A caption hash read from a file: an int in int64's range, else ``ValueError``."""
+    h = int(value)
+    if not -2 ** 63 <= h < 2 ** 63:
+        raise ValueError(f"{h} is outside int64")
+    return h
 
 
 # ---------------------------------------------------------------------- how the agents die
