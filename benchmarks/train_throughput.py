@@ -15,7 +15,7 @@ and the share outside the loss's forward/backward, and the GPU's utilisation sam
 second (``nvidia-smi``) when the learner is on CUDA.
 
 Usage: ``python benchmarks/train_throughput.py --seconds 120 [--workers 2] [--envs 32]
-[--frames-per-update 16k] [--acting server] [--baseline-code DIR --rounds 3]``
+[--frames-per-update 16384] [--acting server] [--baseline-code DIR --rounds 3]``
 Last line: one JSON object with ``fps``, ``collect_fraction``, ``baseline_fps``, ``ratio``,
 ``stages`` and ``gpu_util``.
 """
@@ -86,7 +86,7 @@ class _TimeLimit:
 
 
 def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light", device: str = "auto",
-        frames_per_update=None, acting: str = "workers", minibatch_size=None) -> dict:
+        frames_per_update=None, acting: str = "workers", minibatch_size=None, intrinsic_reward: str = "none") -> dict:
     import torch
     from torchrl_oni.train import TrainConfig, Trainer
     try:
@@ -100,10 +100,17 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         extra["frames_per_update"] = frames_per_update
     if acting != "workers":
         extra["acting"] = acting
+    if intrinsic_reward != "none":  # labels from the rules, in the trainer: the LLM's compute lives elsewhere
+        extra.update(intrinsic_reward=intrinsic_reward, annotator="scripted")
     cfg = TrainConfig(frames=10**9, workers=workers, envs_per_worker=envs, rollout=rollout, arch=arch, device=device,
                       logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9,
                       minibatch_size=minibatch_size or max(envs * rollout, 256), **extra)
-    trainer = Trainer(cfg, hooks=[_TimeLimit(seconds)])
+    hooks = [_TimeLimit(seconds)]
+    if intrinsic_reward != "none":
+        from torchrl_oni.train.intrinsic import build_intrinsic_hooks
+
+        hooks = build_intrinsic_hooks(cfg) + hooks
+    trainer = Trainer(cfg, hooks=hooks)
     t0 = time.perf_counter()
     learner_device = str(trainer.device)
     util = _GPUUtilisation(learner_device) if torch.device(learner_device).type == "cuda" else None
@@ -136,7 +143,7 @@ def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
     """The same measurement by the package in ``code_dir`` (a subprocess with it first on the path)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one-run", "--seconds", str(seconds), "--workers",
            str(args.workers), "--envs", str(args.envs), "--rollout", str(args.rollout), "--arch", args.arch,
-           "--device", args.device]
+           "--device", args.device, "--intrinsic-reward", args.intrinsic_reward]
     env = dict(os.environ, PYTHONPATH=os.path.abspath(code_dir) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=code_dir)
     if out.returncode != 0:
@@ -160,15 +167,20 @@ def main(argv=None):
                    help="steps per PPO minibatch (default: one worker's batch, at least 256)")
     p.add_argument("--acting", default="workers", choices=("workers", "server"),
                    help="where the policy acts: env workers' CPUs or one inference server on the learner's device")
+    p.add_argument("--intrinsic-reward", default="none",
+                   help="an intrinsic reward type (retrieval, classification, ...), labelled by the rules annotator "
+                        "in the trainer (default none)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--baseline-code", metavar="DIR", default=None,
                    help="baseline: the same configuration run by the package in DIR (interleaved rounds)")
     p.add_argument("--rounds", type=int, default=1, help="with --baseline-code: rounds of (this, baseline)")
     p.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)  # a --baseline-code subprocess
     args = p.parse_args(argv)
-    settings = dict(frames_per_update=args.frames_per_update, acting=args.acting, minibatch_size=args.minibatch_size)
+    settings = dict(frames_per_update=args.frames_per_update, acting=args.acting, minibatch_size=args.minibatch_size,
+                    intrinsic_reward=args.intrinsic_reward)
     if args.one_run:
-        print(json.dumps(run(args.seconds, args.workers, args.envs, args.rollout, args.arch, args.device)))
+        print(json.dumps(run(args.seconds, args.workers, args.envs, args.rollout, args.arch, args.device,
+                             intrinsic_reward=args.intrinsic_reward)))
         return 0
     base = None
     if args.baseline_code:
@@ -194,7 +206,8 @@ def main(argv=None):
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     print(f"\nPPO end to end, {args.arch} policy, {os.cpu_count()} cores, learner on {device}, rollout {args.rollout}, "
-          f"acting on {args.acting}, {args.frames_per_update or args.envs * args.rollout} frames per update")
+          f"acting on {args.acting}, {args.frames_per_update or args.envs * args.rollout} frames per update, "
+          f"intrinsic reward {args.intrinsic_reward}")
     print(f"{'configuration':<40} {'frames/s':>10} {'incl. start':>12} {'waiting for data':>17} {'GPU busy':>9}")
     for name, r in rows:
         util = "" if r.get("gpu_util") is None else f"{r['gpu_util']:.0f} %"
@@ -211,6 +224,7 @@ def main(argv=None):
         "envs_per_worker": args.envs,
         "arch": args.arch,
         "acting": args.acting,
+        "intrinsic_reward": args.intrinsic_reward,
         "frames_per_update": args.frames_per_update or args.envs * args.rollout,
         "fps_per_core": round(main_run["fps"] / (os.cpu_count() or 1)),
         "outside_loss_share": main_run["outside_loss_share"] and round(main_run["outside_loss_share"], 3),

@@ -16,7 +16,7 @@ from torchrl_oni.envs import NLEBatchEnv
 from torchrl_oni.train.acting import PolicyServer, PolicyServerGone
 from torchrl_oni.train.config import TrainConfig
 from torchrl_oni.train.distributed import ServedPolicyCollector, make_collector
-from torchrl_oni.train.policy import make_actor_critic, recurrent_primer
+from torchrl_oni.train.policy import TRUNK_KEYS, ActingActor, PlainStep, acting_copy, make_actor_critic, recurrent_primer
 from torchrl_oni.train.ppo import make_env_factory
 
 GAMES, STEPS = 4, 16
@@ -68,7 +68,7 @@ def _first_batches(collector, firsts):
 
 
 def _assert_same_batch(local, served, tol=1e-5):
-    keys = set(local.keys(True, True)) - {("collector", "traj_ids")}
+    keys = set(local.keys(True, True)) - {("collector", "traj_ids")} - set(TRUNK_KEYS)
     assert keys == set(served.keys(True, True)) - {("collector", "traj_ids")}
     for key in keys:
         a, b = local.get(key), served.get(key)
@@ -91,6 +91,7 @@ def test_served_rollout_equals_local_rollout(arch, workers, max_episode_steps, d
     total = GAMES * STEPS * workers * 50  # an upper bound: iteration stops at the first batch of each worker
     kw = dict(frames_per_batch=GAMES * STEPS, total_frames=total, exploration_type=ExplorationType.DETERMINISTIC)
 
+    # the actor's own modules here; the server's acting copy steps on plain tensors
     collector = make_collector("local", factories, actor, **kw)
     try:
         local = _first_batches(collector, firsts)
@@ -109,6 +110,7 @@ def test_served_rollout_equals_local_rollout(arch, workers, max_episode_steps, d
 
     for a, b in zip(local, served):
         assert len(a["action"].unique()) > 1  # the greedy actions depend on the observations
+        assert not set(TRUNK_KEYS) & set(b.keys()), "served rollouts carry no trunk outputs"
         _assert_same_batch(a, b, tol=1e-5 if device == "cpu" else 1e-3)  # CUDA kernels round differently
     if arch == "oni":  # the recurrent state restarts at each reset inside the batch
         assert served[0]["is_init"][:, 1:].any() and served[0]["next", "truncated"].any()
@@ -263,3 +265,69 @@ def test_a_collector_whose_server_stops_fails_and_leaves_nothing_behind():
 def test_worker_policies_need_the_local_backend():
     with pytest.raises(ValueError, match="needs --backend local"):
         make_collector("ray", [object()], None, frames_per_batch=8, total_frames=8, worker_policies=[object()])
+
+
+@pytest.mark.parametrize("arch", ["light", "oni"])
+@pytest.mark.parametrize("exploration", [ExplorationType.RANDOM, ExplorationType.DETERMINISTIC])
+def test_plain_step_equals_the_actor_modules(arch, exploration):
+    """The server's plain-tensor step computes what the actor's TensorDict modules compute: the same
+    logits, log-probabilities and next recurrent states, the same greedy actions, and under the
+    same seed the same sampled actions; recurrent states restart where ``is_init`` is set."""
+    from torchrl.modules import set_recurrent_mode
+
+    modules = _actor(arch, sharpen=False)
+    actor = acting_copy(modules)
+    step = actor.plain_step
+    assert isinstance(actor, ActingActor) and isinstance(step, PlainStep)
+    td = torch.cat([_request(seed=s) for s in range(4)], 0)  # 16 games
+    if arch == "oni":  # states mid-game, and a reset every third game
+        td.set("recurrent_state", torch.randn(td.shape[0], 1, 512))
+        td.set("is_init", torch.arange(td.shape[0]).remainder(3).eq(0).unsqueeze(-1))
+    td = td.select(*actor.in_keys).clone()
+    with torch.no_grad(), set_exploration_type(exploration), set_recurrent_mode(False):
+        torch.manual_seed(3)
+        reference = modules(td.clone())
+        torch.manual_seed(3)
+        mine = step(td.clone())
+        torch.manual_seed(3)
+        called = actor(td.clone())  # the acting copy itself: the plain step, written in place
+    assert set(mine.keys(True, True)) == set(actor.out_keys)
+    assert set(called.keys(True, True)) == set(actor.out_keys) | set(actor.in_keys)
+    for key in actor.out_keys:
+        a, b = reference.get(key), mine.get(key)
+        assert torch.equal(called.get(key), b), key
+        assert a.shape == b.shape and a.dtype == b.dtype, key
+        if a.is_floating_point():
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        else:
+            assert torch.equal(a, b), key
+    if arch == "oni":  # a reset game starts from zeros: its next state is the state from zeros
+        fresh = td.clone()
+        fresh.set("recurrent_state", torch.zeros_like(td["recurrent_state"]))
+        with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
+            zeros = step(fresh)
+        init = td["is_init"].squeeze(-1)
+        torch.testing.assert_close(mine["next", "recurrent_state"][init], zeros["next", "recurrent_state"][init])
+        assert not torch.allclose(mine["next", "recurrent_state"][~init], zeros["next", "recurrent_state"][~init])
+
+
+def test_plain_step_only_for_actors_it_knows():
+    """An LSTM core or a network of the user's own is served through its own modules (no plain step)."""
+    from tensordict.nn import TensorDictModule
+    from torchrl.modules import ProbabilisticActor
+
+    lstm = acting_copy(_actor("oni-lstm", sharpen=False))
+    assert lstm.plain_step is None
+    with torch.no_grad():  # it acts through its modules
+        td = lstm(_request().set("recurrent_state_h", torch.zeros(GAMES, 1, 512))
+                  .set("recurrent_state_c", torch.zeros(GAMES, 1, 512)).set("is_init", torch.ones(GAMES, 1, dtype=torch.bool)))
+    assert td["action"].shape == (GAMES,)
+    own = ProbabilisticActor(TensorDictModule(torch.nn.Linear(27, 4), in_keys=["blstats"], out_keys=["logits"]),
+                             in_keys=["logits"], out_keys=["action"], distribution_class=torch.distributions.Categorical,
+                             return_log_prob=True)
+    assert PlainStep.build(own) is None
+    served = PolicyServer(_actor("light"), device="cpu", num_workers=1, example=_request())
+    try:
+        assert served.model.actor.plain_step is not None
+    finally:
+        served.shutdown()

@@ -90,6 +90,10 @@ def _compare(arch="light", value_heads=1, minibatch_size=64, ppo_epochs=2, parts
     learner = PPOLearner(actor, critic, ppo, torch.device("cpu"), recurrent=recurrent, value_heads=value_heads)
     # the gathered path: the same games handed over as `parts` workers' batches, joined
     mine = torch.cat(batch.clone().split(batch.shape[0] // parts, 0), 0) if parts > 1 else batch.clone()
+    # only the keys the learner copies to its device (the reference has the whole rollout)
+    mine = mine.select(*learner.batch_keys, strict=False)
+    assert set(batch.keys(True, True)) - set(mine.keys(True, True)), "the rollout has keys the update never reads"
+    torch.testing.assert_close(mine["action"], batch["action"])
     torch.manual_seed(0)
     stats = learner.update(mine)
     keys = ["advantage"] + [f"value_target{s}" for s in ([""] if value_heads == 1 else ["_ext", "_int"])]
@@ -181,13 +185,21 @@ def test_trainer_gathers_batches_per_update(tmp_path):
 
     cfg = TrainConfig(frames=4 * 128, workers=2, envs_per_worker=4, rollout=32, frames_per_update=256,
                       minibatch_size=128, logdir=str(tmp_path), progress=False, tensorboard=False)
-    trainer = Trainer(cfg)
+    hooked = []
+
+    class Shapes:  # a hook: it sees each update's gathered batch once
+        def on_batch(self, batch, trainer):
+            hooked.append(tuple(batch.shape))
+            return batch
+
+    trainer = Trainer(cfg, hooks=[Shapes()])
     seen = []
     original = trainer._ppo_update
     trainer._ppo_update = lambda batch: (seen.append(tuple(batch.shape)), original(batch))[1]
     summary = trainer.train()
     assert summary["frames"] == 512
     assert seen == [(8, 32), (8, 32)], "two workers' batches per update"
+    assert hooked == seen, "hooks run once per update, on the gathered batch"
     row = read_metrics(str(tmp_path))[-1]
     assert row["iteration"] == 2
     assert 0 < row["learner/outside_loss_share"] < 1
@@ -235,9 +247,33 @@ def test_cuda_update_equals_cpu_update(arch):
     cpu = PPOLearner(copy.deepcopy(actor), copy.deepcopy(critic), ppo, torch.device("cpu"), recurrent=recurrent)
     gpu = PPOLearner(copy.deepcopy(actor).cuda(), copy.deepcopy(critic).cuda(), ppo, torch.device("cuda"),
                      recurrent=recurrent)
-    a, b = batch.clone(), batch.clone()
-    stats_cpu, stats_gpu = cpu.update(a), gpu.update(b)
-    for key in stats_cpu:
-        assert stats_gpu[key] == pytest.approx(stats_cpu[key], rel=2e-3, abs=1e-4), key
-    for p, q in zip(cpu.params, gpu.params):
-        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-3, atol=2 * ppo.lr)
+    # two updates in a row: the second batch goes through the pinned buffer the first one left
+    other = _rollout(arch, seed=1)[2]
+    for data in (batch, other):
+        a, b = data.clone(), data.clone()
+        stats_cpu, stats_gpu = cpu.update(a), gpu.update(b)
+        for key in stats_cpu:
+            assert stats_gpu[key] == pytest.approx(stats_cpu[key], rel=2e-3, abs=1e-4), key
+        for p, q in zip(cpu.params, gpu.params):
+            torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-3, atol=4 * ppo.lr)
+    assert gpu._staging is not None and all(t.is_pinned() for t in gpu._staging.values(True, True))
+
+
+def test_acting_copy_stores_no_trunk_outputs():
+    """Workers act with a copy whose rollouts leave out the recurrent trunk's outputs (5.2 kB a
+    step); its weights have the actor's names (weight sync), and the learner updates on such a
+    rollout as on a full one."""
+    from tensordict import TensorDict
+
+    from torchrl_oni.train.policy import TRUNK_KEYS, acting_copy
+
+    actor, critic, batch = _rollout("oni", games=4, steps=8)
+    acting = acting_copy(actor)
+    assert set(TensorDict.from_module(acting).keys(True, True)) == set(TensorDict.from_module(actor).keys(True, True))
+    assert not set(TRUNK_KEYS) & set(acting.out_keys) and set(TRUNK_KEYS) <= set(actor.out_keys)
+    with torch.no_grad():
+        out = acting(batch[:, 0].select(*actor.in_keys).clone())
+    assert not set(TRUNK_KEYS) & set(out.keys())
+    assert all(k in actor.out_keys for k in acting.out_keys) and set(TRUNK_KEYS) <= set(actor(out.clone()).keys())
+    light, _, _ = _rollout("light", games=2, steps=2)
+    assert acting_copy(light).out_keys == light.out_keys  # nothing to leave out

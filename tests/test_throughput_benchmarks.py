@@ -54,3 +54,14 @@ def test_drop_in_overhead_smoke():
     assert "+ oni_transforms" in table
     assert set(result["fps"]) == {"GymEnv", "+ copy, hash, count", "+ oni_transforms"}
     assert all(v > 0 for v in result["fps"].values()) and 0 < result["ratio"] < 2
+
+
+def test_trainer_ceiling_smoke():
+    result, table = _last_json([BENCH / "trainer_ceiling.py", "--seconds", "2", "--games", "4", "--rollout", "16",
+                                "--frames-per-update", "64", "128"])
+    assert "stand-in collector" in table
+    rows = result["results"]
+    assert [r["frames_per_update"] for r in rows] == [64, 128]
+    for r in rows:
+        assert r["fps"] > 0 and r["updates"] >= 2 and r["intrinsic_reward"] == "retrieval"
+        assert {"hooks", "gather", "forward", "backward"} <= set(r["stages"])

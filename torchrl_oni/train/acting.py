@@ -11,7 +11,8 @@ TorchRL's own machinery (``torchrl.modules.inference_server``):
 * **one client per env worker** (:meth:`PolicyServer.worker_policies`), the collector's policy in
   that worker: it sends the ``[K]`` observation, waits for the answer and writes the keys the
   local actor would write (``action``, ``action_log_prob``, ``logits``; for the recurrent archs
-  also ``features``, ``core`` and ``("next", "recurrent_state")``), in place, as a local
+  also ``("next", "recurrent_state")``; never the trunk's ``features``/``core``, which the loss
+  recomputes), in place, as a local
   TensorDict module does (TorchRL's ``PolicyClientModule`` returns a new TensorDict instead).
   The env keeps ``is_init`` and the recurrent state in its TensorDict, so the server is
   stateless and hidden states stay right across resets;
@@ -70,6 +71,7 @@ import copy
 import multiprocessing as mp
 import pickle
 import queue
+import sys
 import threading
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -84,6 +86,10 @@ from torchrl.modules.inference_server import (InferenceServer, MPTransport, Poli
                                               ProcessSlotTransport)
 
 __all__ = ["PolicyServer", "PolicyServerGone", "WorkerPolicy"]
+
+
+# how often the trainer's threads hand each other the GIL while a server runs (Python's default: 5 ms)
+SERVING_SWITCH_INTERVAL_S = 0.0005
 
 
 class PolicyServerGone(RuntimeError):
@@ -110,6 +116,8 @@ def _example_request(example: Any) -> TensorDictBase:
 class _ServedActor(torch.nn.Module):
     """The served copy: runs the actor on ``[n requests, K games]`` and counts what it served.
 
+    The actor is an acting copy (:func:`~torchrl_oni.train.policy.acting_copy`): known
+    architectures step on plain tensors (:class:`~torchrl_oni.train.policy.PlainStep`).
     The counters are written by the server thread only; :meth:`PolicyServer.metrics` reads them.
     """
 
@@ -246,11 +254,14 @@ class PolicyServer:
         self.device = torch.device(device)
         self.num_workers = int(num_workers)
         self.max_batch_size = int(max_batch_size or num_workers)
-        self.model = _ServedActor(copy.deepcopy(actor)).to(self.device)
+        from .policy import acting_copy
+
+        # answers carry what a rollout stores: not the recurrent trunk's outputs (policy.TRUNK_KEYS)
+        self.model = _ServedActor(acting_copy(actor, self.device))
         self._weights = TensorDict.from_module(self.model.actor).data  # the served tensors, updated in place
         self._weight_keys = set(self._weights.keys(True, True))
-        self.in_keys = list(actor.in_keys)
-        self.out_keys = list(actor.out_keys)
+        self.in_keys = list(self.model.actor.in_keys)
+        self.out_keys = list(self.model.actor.out_keys)
         self._spec = copy.deepcopy(getattr(actor, "spec", None))
         self._lock = threading.Lock()
         self._server = None
@@ -277,6 +288,11 @@ class PolicyServer:
         self._server = _Server(self.model, transport, alive=alive, max_batch_size=self.max_batch_size,
                                min_batch_size=1, timeout=idle_timeout, collate_fn=collate,
                                policy_device=self.device, output_device="cpu", policy_version_key=None)
+        # The serving thread shares the trainer's GIL, which Python takes from a running thread only
+        # every switch interval (5 ms by default): a request that comes while the trainer runs
+        # Python would wait up to that long while every env worker's games stand still
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, SERVING_SWITCH_INTERVAL_S))
         self._server.start()
 
     def _request_layout(self, example: TensorDictBase) -> TensorDictBase:
@@ -345,6 +361,7 @@ class PolicyServer:
         server, self._server = self._server, None
         if server is None:
             return
+        sys.setswitchinterval(self._switch_interval)
         server.shutdown(timeout=timeout)
         server._alive.clear()
         if isinstance(self.transport, MPTransport):  # lets the feeder threads of the answers' queues end

@@ -149,7 +149,7 @@ class PPOConfig:
     ppo_epochs: int = setting(1, "passes over each collected batch", at_least=1)
     frames_per_update: Optional[int] = setting(
         None, "frames per PPO update: workers' batches (envs-per-worker × rollout each) are gathered until this "
-        "many, e.g. 16k on a GPU node (none: one batch per update)", parse=parse_count)
+        "many, a multiple of one batch, e.g. 16384 on a GPU node (none: one batch per update)", parse=parse_count)
 
 
 @dataclass
@@ -397,7 +397,8 @@ class TrainConfig:
             (ppo.frames_per_update is None or (ppo.frames_per_update >= self.frames_per_batch
                                                and ppo.frames_per_update % self.frames_per_batch == 0),
              f"--frames-per-update ({ppo.frames_per_update}) must be a multiple of one batch "
-             f"(envs-per-worker × rollout = {self.frames_per_batch})"),
+             f"(envs-per-worker × rollout = {self.frames_per_batch}), e.g. "
+             f"{max(1, round((ppo.frames_per_update or 0) / self.frames_per_batch)) * self.frames_per_batch}"),
             (ppo.frames_per_update is None or ppo.frames_per_update <= min(self.frames, MAX_FRAMES_PER_UPDATE),
              f"--frames-per-update ({ppo.frames_per_update}) must be at most --frames ({self.frames}) and "
              f"{MAX_FRAMES_PER_UPDATE:,} (its batches are held in memory, ~1.4 kB a frame)"),

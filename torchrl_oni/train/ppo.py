@@ -1,11 +1,11 @@
 """PPO on batched NetHack envs: ``MultiAsyncCollector`` → reward shaping → ``GAE`` → ``ClipPPOLoss``.
 
-The loop, one collected batch at a time:
+The loop, one update at a time:
 
 1. a worker process steps K games for ``rollout`` steps with the current actor and hands back
    one TensorDict ``[K, rollout]`` (``MultiAsyncCollector``: the other workers keep playing
-   meanwhile);
-2. batch transforms run **in the trainer** (``LLMAnnotationTransform``,
+   meanwhile); with ``--frames-per-update`` several workers' batches are gathered into one;
+2. batch transforms run **in the trainer**, once per update (``LLMAnnotationTransform``,
    ``IntrinsicRewardTransform``...): the collector deep-copies a ``postproc``, so stateful work
    (the annotation queue, the caption store) must live here;
 3. the reward PPO optimises is ``extrinsic_coeff · clip(r_env) + intrinsic_coeff · r_int``
@@ -46,7 +46,7 @@ from .checkpoint import CHECKPOINT_NAME, TRAINER_KEYS, CheckpointError, load_che
 from .config import CONFIG_NAME, TrainConfig, resolve_device
 from .env_factory import EnvFactory, make_env_factory  # noqa: F401  (EnvFactory: importable here for one release)
 from .run_log import EpisodeWindow, RunLogger
-from .policy import RECURRENT_ARCHS, make_actor_critic, recurrent_primer
+from .policy import RECURRENT_ARCHS, acting_copy, make_actor_critic, recurrent_primer
 
 __all__ = ["Trainer", "TrainHook", "TrainingStopped", "EnvWorkerError", "EnvFactory", "make_env_factory", "resolve_device", "write_config"]
 
@@ -145,8 +145,9 @@ def write_config(cfg: TrainConfig, run_dir: str) -> str:
 class TrainHook:
     """Extension point for the intrinsic-reward side; every method is optional.
 
-    * ``on_batch(batch, trainer) -> batch``: after collection, before the reward is combined
-      (annotation, intrinsic reward lookup);
+    * ``on_batch(batch, trainer) -> batch``: on each update's batch (the workers' ``[K, T]``
+      batches gathered along the first dimension up to ``--frames-per-update``; one worker's batch
+      by default), before the reward is combined (annotation, intrinsic reward lookup);
     * ``after_update(trainer)``: after each PPO iteration (reward-model training);
     * ``metrics() -> dict``: numbers for the logs; ``state_dict()/load_state_dict()``: saved in
       checkpoints; ``close()``: at the end of training.
@@ -180,8 +181,8 @@ class Trainer:
         cfg: the :class:`TrainConfig`.
         hooks: :class:`TrainHook` objects (or any object with some of its methods), e.g. the
             intrinsic-reward machinery.
-        batch_transforms: TorchRL transforms applied to every collected batch, in order,
-            before the hooks' ``on_batch``.
+        batch_transforms: TorchRL transforms applied to each update's batch, in order, before
+            the hooks' ``on_batch``.
     """
 
     def __init__(self, cfg: TrainConfig, hooks: Sequence = (), batch_transforms: Sequence = ()):
@@ -297,11 +298,8 @@ class Trainer:
         cfg = self.cfg
         factories = [make_env_factory(cfg, w + 1000 * self.iterations, self.primer_spec, self.env_transforms)
                      for w in range(cfg.env.workers)]
-        policy = self.actor
-        if self.device.type != "cpu":
-            import copy
-
-            policy = copy.deepcopy(self.actor).cpu()  # workers act on CPU; weights synced below
+        # workers act on CPU (weights synced after each update) and store no trunk outputs
+        policy = acting_copy(self.actor, "cpu")
         worker_policies = None
         if cfg.acting == "server":
             from .acting import PolicyServer
@@ -467,12 +465,6 @@ class Trainer:
                 self.frames += n
                 with clock("log"):
                     self._episode_stats(batch)
-                with clock("hooks"):
-                    for transform in self.batch_transforms:
-                        batch = transform(batch)
-                    for hook in self.hooks:
-                        if hasattr(hook, "on_batch"):
-                            batch = hook.on_batch(batch, self)
                 if bar is not None:
                     bar.update(n)
                 pending.append(batch)
@@ -483,6 +475,15 @@ class Trainer:
                 with clock("gather"):
                     batch = pending[0] if len(pending) == 1 else torch.cat(pending, 0)
                     pending = []
+                # once per update, on the gathered batch: each hook's fixed cost per call (store
+                # lookups, the reward's transform, the hacking tally) is paid once, not per worker
+                # batch (retrieval on 16 batches of 1,024 frames: 43 ms one by one, 19 ms gathered)
+                with clock("hooks"):
+                    for transform in self.batch_transforms:
+                        batch = transform(batch)
+                    for hook in self.hooks:
+                        if hasattr(hook, "on_batch"):
+                            batch = hook.on_batch(batch, self)
                 intrinsic = batch.get(("next", "intrinsic_reward"), None)
                 with clock("reward"):
                     self.shape_reward(batch)
