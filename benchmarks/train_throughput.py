@@ -85,6 +85,17 @@ class _TimeLimit:
             trainer.cfg.frames = trainer.frames
 
 
+def steady_state(rows: list) -> tuple:
+    """``(frames/s, last row, learner stage shares)`` of a run's metrics rows, its first quarter
+    (start-up) left out."""
+    cut = rows[len(rows) // 4] if len(rows) >= 4 else rows[0]
+    last = rows[-1]
+    fps = (last["frames"] - cut["frames"]) / max(last["time_s"] - cut["time_s"], 1e-9)
+    stages = {k[len("learner/"):-len("_share")]: round(v, 4) for k, v in last.items()
+              if k.startswith("learner/") and k.endswith("_share") and k != "learner/outside_loss_share"}
+    return fps, last, stages
+
+
 def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light", device: str = "auto",
         frames_per_update=None, acting: str = "workers", minibatch_size=None, intrinsic_reward: str = "none") -> dict:
     import torch
@@ -120,12 +131,7 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
     else:
         summary = trainer.train()
     wall = time.perf_counter() - t0
-    rows = read_metrics(logdir)
-    cut = rows[len(rows) // 4] if len(rows) >= 4 else rows[0]
-    last = rows[-1]
-    steady = (last["frames"] - cut["frames"]) / max(last["time_s"] - cut["time_s"], 1e-9)
-    stages = {k[len("learner/"):-len("_share")]: round(v, 4) for k, v in last.items()
-              if k.startswith("learner/") and k.endswith("_share") and k != "learner/outside_loss_share"}
+    steady, last, stages = steady_state(read_metrics(logdir))
     return {
         "fps": steady,
         "fps_incl_startup": summary["frames"] / wall,

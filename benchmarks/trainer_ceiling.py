@@ -24,7 +24,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+# this folder is the script's: the time limit and the steady-state cut of the end-to-end benchmark
+from train_throughput import _TimeLimit, steady_state
 
 
 class _StandInCollector:
@@ -47,22 +49,6 @@ class _StandInCollector:
 
     def shutdown(self):
         pass
-
-
-class _TimeLimit:
-    name = "time_limit"
-
-    def __init__(self, seconds: float):
-        self.seconds, self.t0 = seconds, None
-
-    def on_batch(self, batch, trainer):
-        if self.t0 is None:
-            self.t0 = time.perf_counter()
-        return batch
-
-    def after_update(self, trainer):
-        if time.perf_counter() - self.t0 > self.seconds:
-            trainer.cfg.frames = trainer.frames
 
 
 def run(seconds: float, arch: str, device: str, frames_per_update: int, intrinsic_reward: str, games: int,
@@ -100,12 +86,7 @@ def run(seconds: float, arch: str, device: str, frames_per_update: int, intrinsi
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))  # what the trainer keeps beside its workers
     trainer = StandInTrainer(cfg, hooks=hooks)
     trainer.train()
-    rows = read_metrics(logdir)
-    cut = rows[len(rows) // 4] if len(rows) >= 4 else rows[0]
-    last = rows[-1]
-    fps = (last["frames"] - cut["frames"]) / max(last["time_s"] - cut["time_s"], 1e-9)
-    stages = {k[len("learner/"):-len("_share")]: round(v, 4) for k, v in last.items()
-              if k.startswith("learner/") and k.endswith("_share") and k != "learner/outside_loss_share"}
+    fps, last, stages = steady_state(read_metrics(logdir))
     return {"arch": arch, "frames_per_update": frames_per_update, "intrinsic_reward": intrinsic_reward,
             "fps": round(fps), "updates": int(last["iteration"]), "stages": stages}
 
