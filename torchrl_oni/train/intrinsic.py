@@ -5,16 +5,16 @@ process (the collector's env workers only play); the labelling side (caption sto
 LLM server, annotation worker, label budgets, the labelling page, their numbers and alarms) is
 the :class:`~torchrl_oni.train.labelling.Labelling` it holds:
 
-* on each collected batch (``on_batch``): the labelling's turn (screens, new captions to the
-  annotator in the background), the reward type's own step (ranking pairs), then the
-  :class:`~torchrl_oni.transforms.IntrinsicRewardTransform`;
+* on each update's batch (``on_batch``; the workers' batches gathered for it): the labelling's
+  turn (screens, new captions to the annotator in the background), the reward type's own step
+  (ranking pairs), then the :class:`~torchrl_oni.transforms.IntrinsicRewardTransform`;
 * after each PPO iteration (``after_update``): reward-model training for types that have a
   trainer, on the trainer's own :class:`~torchrl_oni.rewards.training.RewardModelSchedule`
   (ONI's rule within a wall-time budget);
 * ``metrics()``: label counts and balance, annotation health, reward-model accuracy, the mean
   intrinsic reward and the fraction of steps rewarded; the most rewarded messages of the last
   window go to ``<logdir>/top_messages.txt`` (the CSV holds numbers only);
-* the reward-hacking diagnostics (:mod:`torchrl_oni.reward_hacking`): every collected batch's
+* the reward-hacking diagnostics (:mod:`torchrl_oni.reward_hacking`): every update batch's
   captions, payments and deaths are tallied per episode (episodes told apart by the collector's
   trajectory ids; 1.4-1.7 ms per 2,048-frame batch, 0.65 % of a 2-core run's wall time); at the
   end of the run ``final_warnings``

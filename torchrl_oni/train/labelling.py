@@ -11,7 +11,7 @@ One :class:`Labelling` per run, held by :class:`~torchrl_oni.train.intrinsic.Int
   OpenAI-compatible server, checked once at start) or, with no URL, the embedded CPU server
   (:func:`~torchrl_oni.serve.start_embedded_server`), stopped at exit; an LLM judge of single
   captions is first asked the calibration probe (:func:`check_judge`);
-* on each collected batch: the :class:`~torchrl_oni.annotation.LLMAnnotationTransform` (new
+* on each update's batch: the :class:`~torchrl_oni.annotation.LLMAnnotationTransform` (new
   captions go to the annotator in the background);
 * its numbers (``labels/*``, ``annotation/*``, ``human/*``, the judge probe's) and its alarms:
   label coverage near zero, a judge that approves most captions.
