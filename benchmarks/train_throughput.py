@@ -85,6 +85,13 @@ class _TimeLimit:
             trainer.cfg.frames = trainer.frames
 
 
+def timed_hooks(cfg, seconds: float) -> list:
+    """The run's intrinsic-reward hooks (none without one), then the time limit."""
+    from torchrl_oni.train.intrinsic import build_intrinsic_hooks
+
+    return build_intrinsic_hooks(cfg) + [_TimeLimit(seconds)]
+
+
 def steady_state(rows: list) -> tuple:
     """``(frames/s, last row, learner stage shares)`` of a run's metrics rows, its first quarter
     (start-up) left out."""
@@ -116,12 +123,7 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
     cfg = TrainConfig(frames=10**9, workers=workers, envs_per_worker=envs, rollout=rollout, arch=arch, device=device,
                       logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9,
                       minibatch_size=minibatch_size or max(envs * rollout, 256), **extra)
-    hooks = [_TimeLimit(seconds)]
-    if intrinsic_reward != "none":
-        from torchrl_oni.train.intrinsic import build_intrinsic_hooks
-
-        hooks = build_intrinsic_hooks(cfg) + hooks
-    trainer = Trainer(cfg, hooks=hooks)
+    trainer = Trainer(cfg, hooks=timed_hooks(cfg, seconds))
     t0 = time.perf_counter()
     learner_device = str(trainer.device)
     util = _GPUUtilisation(learner_device) if torch.device(learner_device).type == "cuda" else None

@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 # this folder is the script's: the time limit and the steady-state cut of the end-to-end benchmark
-from train_throughput import _TimeLimit, steady_state
+from train_throughput import steady_state, timed_hooks
 
 
 class _StandInCollector:
@@ -72,11 +72,6 @@ def run(seconds: float, arch: str, device: str, frames_per_update: int, intrinsi
     cfg = TrainConfig(frames=10**9, workers=1, envs_per_worker=games, rollout=rollout, arch=arch, device=device,
                       logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9,
                       minibatch_size=frames_per_update, **extra)
-    hooks = [_TimeLimit(seconds)]
-    if intrinsic_reward != "none":
-        from torchrl_oni.train.intrinsic import build_intrinsic_hooks
-
-        hooks = build_intrinsic_hooks(cfg) + hooks
 
     class StandInTrainer(Trainer):
         def _make_collector(self, total_frames: int):
@@ -84,7 +79,7 @@ def run(seconds: float, arch: str, device: str, frames_per_update: int, intrinsi
             return self.collector
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))  # what the trainer keeps beside its workers
-    trainer = StandInTrainer(cfg, hooks=hooks)
+    trainer = StandInTrainer(cfg, hooks=timed_hooks(cfg, seconds))
     trainer.train()
     fps, last, stages = steady_state(read_metrics(logdir))
     return {"arch": arch, "frames_per_update": frames_per_update, "intrinsic_reward": intrinsic_reward,

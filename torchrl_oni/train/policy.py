@@ -309,16 +309,15 @@ class PlainStep:
         kind = interaction_type() or self.default_interaction
         if kind not in (InteractionType.RANDOM, InteractionType.MODE, InteractionType.DETERMINISTIC):
             return None
-        out = self.net(*(td.get(key) for key in self.in_keys))
-        extra = {}
-        if self.gru is not None:
+        logits = self.net(*(td.get(key) for key in self.in_keys))
+        next_state = None
+        if self.gru is not None:  # the net was the encoder: one GRU step from the state (zeros after a reset), the head
             state = td.get(self.state_key)  # [B, 1, H]
             state = torch.where(td.get(self.init_key).unsqueeze(-1), torch.zeros((), dtype=state.dtype,
                                                                                 device=state.device), state)
-            y, hidden = self.gru.gru(out.unsqueeze(1), state.transpose(0, 1).contiguous())
-            out = self.head(y[:, 0])
-            extra[self.next_state_key] = hidden.transpose(0, 1)
-        logits = out
+            y, hidden = self.gru.gru(logits.unsqueeze(1), state.transpose(0, 1).contiguous())
+            logits = self.head(y[:, 0])
+            next_state = hidden.transpose(0, 1)
         log_probs = torch.log_softmax(logits, -1)
         if kind is InteractionType.RANDOM:
             action = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
@@ -327,8 +326,8 @@ class PlainStep:
         out = TensorDict({"logits": logits, self.action_key: action,
                           self.log_prob_key: log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)},
                          batch_size=td.batch_size, device=td.device)
-        for key, value in extra.items():
-            out.set(key, value)
+        if next_state is not None:
+            out.set(self.next_state_key, next_state)
         return out
 
 
