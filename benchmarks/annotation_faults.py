@@ -215,10 +215,12 @@ class _TrainerHook:
 
 def run_trainer(args, hook: _TrainerHook) -> None:
     from torchrl_oni.train import TrainConfig, Trainer
+    from torchrl_oni.train.config import MAX_FRAMES
 
-    cfg = TrainConfig(frames=10**12, workers=args.workers, envs_per_worker=args.envs, rollout=args.rollout,
+    # frames: the most the config accepts; the hook stops the trainer after ``seconds``
+    cfg = TrainConfig(frames=MAX_FRAMES, workers=args.workers, envs_per_worker=args.envs, rollout=args.rollout,
                       logdir=tempfile.mkdtemp(prefix="oni-faults-"), progress=False, tensorboard=False,
-                      checkpoint_every=10**12, seed=args.seed)
+                      checkpoint_every=MAX_FRAMES, seed=args.seed)
     Trainer(cfg, hooks=[hook]).train()
 
 

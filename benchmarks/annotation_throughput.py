@@ -160,7 +160,7 @@ def _collector_phases(url: str, model: str, seconds: float, rounds: int = 6) -> 
 
     torch.set_num_threads(1)
     cfg = TrainConfig(workers=2, envs_per_worker=32, rollout=32)
-    collector = MultiAsyncCollector([make_env_factory(cfg, w) for w in range(cfg.workers)], None,
+    collector = MultiAsyncCollector([make_env_factory(cfg, w) for w in range(cfg.env.workers)], None,
                                     frames_per_batch=cfg.frames_per_batch, total_frames=-1,
                                     device="cpu", storing_device="cpu", num_sub_threads=1)
     store = CaptionStore(capacity=65536)

@@ -14,13 +14,20 @@ ELLM gets its goals from the scripted goal suggester (rules, as the scripted ann
 labels) through its goal worker thread; what is measured is state captions, the goal table, and
 embedding transition messages with the default encoder (MiniLM when installed) on the learner.
 
+A type may name where its reward model trains, ``<type>/inline`` or ``<type>/background``
+(``--rm-training``; plain ``<type>`` is the run's default, inline on a CPU learner), to compare
+the two in the same rounds; ``--rm-time-fraction`` applies to every run (0: ONI's schedule, no cap).
+
 Usage::
 
     python benchmarks/reward_overhead.py --seconds 240
     python benchmarks/reward_overhead.py --kinds ellm,retrieval  # only some types (and none)
+    python benchmarks/reward_overhead.py --kinds classification/inline,classification/background \
+        --rm-time-fraction 0
 
 Prints a table, then, as the LAST line, one JSON object with ``fps_<type>`` and
-``ratio_<type>`` (= fps_type / fps_none) for retrieval, classification, ranking, bow and ellm.
+``ratio_<type>`` (= fps_type / fps_none) for retrieval, classification, ranking, bow and ellm
+(``/`` in a name becomes ``_``: ``ratio_classification_background``).
 """
 from __future__ import annotations
 
@@ -51,17 +58,26 @@ def steady_fps(logdir: str, warmup: int) -> float:
     return (end["frames"] - start["frames"]) / max(end["time_s"] - start["time_s"], 1e-9)
 
 
-def run_once(kind: str, frames: int, args, root: str) -> float:
+TRAINING = ("inline", "background")
+
+
+def run_once(name: str, frames: int, args, root: str) -> float:
+    kind, _, training = name.partition("/")
     logdir = tempfile.mkdtemp(prefix=f"{kind}-", dir=root)
     cfg = TrainConfig(
         frames=frames, workers=args.workers, envs_per_worker=args.envs_per_worker, rollout=32,
         intrinsic_reward=kind, annotator="scripted",
         logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9, seed=args.seed,
-        minibatch_size=args.minibatch_size,
+        minibatch_size=args.minibatch_size, rm_training=training or "auto", rm_time_fraction=args.rm_time_fraction,
     )
     hooks = build_intrinsic_hooks(cfg)
     Trainer(cfg, hooks=hooks).train()
+    # the reward model's gradient steps in the run: what the time its training costs bought
+    STEPS.setdefault(name, []).append(max((r.get("reward_model/steps", 0) for r in read_metrics(logdir)), default=0))
     return steady_fps(logdir, args.warmup)
+
+
+STEPS: dict = {}  # reward type -> reward-model steps of each of its runs
 
 
 def main() -> None:
@@ -74,12 +90,17 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="iterations left out of each rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", default=",".join(KINDS),
-                   help=f"comma-separated reward types to compare with none (default: {','.join(KINDS[1:])})")
+                   help=f"comma-separated reward types to compare with none (default: {','.join(KINDS[1:])}); "
+                        "<type>/inline or <type>/background picks where its reward model trains")
+    p.add_argument("--rm-time-fraction", type=float, default=None,
+                   help="cap on the reward model's share of wall time, every run (default: the run's, 0.1 on CPU)")
     args = p.parse_args()
     kinds = ("none",) + tuple(k for k in args.kinds.split(",") if k and k != "none")
-    unknown = sorted(set(kinds) - set(KINDS))
+    unknown = sorted(k for k in kinds
+                     if k.partition("/")[0] not in KINDS or k.partition("/")[2] not in ("",) + TRAINING)
     if unknown:
-        p.error(f"unknown reward type(s) {', '.join(unknown)}; choose from {', '.join(KINDS[1:])}")
+        p.error(f"unknown reward type(s) {', '.join(unknown)}; choose from {', '.join(KINDS[1:])}, "
+                f"optionally /{' or /'.join(TRAINING)}")
     logging.disable(logging.INFO)
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="oni-reward-overhead-")
@@ -103,16 +124,21 @@ def main() -> None:
     fps = {k: statistics.median(v) for k, v in rates.items()}
     print(f"\nreward overhead: {args.workers} worker(s) × {args.envs_per_worker} games, {frames:,} frames "
           f"per run, {args.rounds} rounds, scripted annotator, {os.cpu_count()} CPUs")
-    print(f"{'reward':<16}{'frames/s (median)':>20}{'vs none':>10}{'min..max':>22}")
+    print(f"{'reward':<26}{'frames/s (median)':>18}{'vs none':>10}{'min..max':>22}{'model steps':>13}")
     for kind in kinds:
         lo, hi = min(rates[kind]), max(rates[kind])
-        print(f"{kind:<16}{fps[kind]:>20,.0f}{fps[kind] / fps['none']:>10.3f}{f'{lo:,.0f}..{hi:,.0f}':>22}")
+        steps = f"{statistics.median(STEPS[kind]):,.0f}" if any(STEPS.get(kind, [])) else ""
+        print(f"{kind:<26}{fps[kind]:>18,.0f}{fps[kind] / fps['none']:>10.3f}{f'{lo:,.0f}..{hi:,.0f}':>22}{steps:>13}")
     result = {"frames_per_run": frames, "rounds": args.rounds, "workers": args.workers,
               "envs_per_worker": args.envs_per_worker, "cpus": os.cpu_count()}
+    if args.rm_time_fraction is not None:
+        result["rm_time_fraction"] = args.rm_time_fraction
     for kind in kinds:
-        result[f"fps_{kind}"] = round(fps[kind], 1)
+        result[f"fps_{kind.replace('/', '_')}"] = round(fps[kind], 1)
     for kind in kinds[1:]:
-        result[f"ratio_{kind}"] = round(fps[kind] / fps["none"], 4)
+        result[f"ratio_{kind.replace('/', '_')}"] = round(fps[kind] / fps["none"], 4)
+        if any(STEPS.get(kind, [])):
+            result[f"rm_steps_{kind.replace('/', '_')}"] = statistics.median(STEPS[kind])
     print(json.dumps(result))
 
 

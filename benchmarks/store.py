@@ -107,7 +107,7 @@ def main() -> None:
         h = hashes[i : i + BATCH]
         start = time.perf_counter()
         store.add(msg_pool[: len(h)], h)
-        if i >= 0.9 * n and len(h) == BATCH:
+        if (i >= 0.9 * n or i + BATCH >= n) and len(h) == BATCH:  # the last 10 %, or the last batch of a small N
             add_new_ms.append((time.perf_counter() - start) * 1e3)
     fill_s = time.perf_counter() - t_begin
     assert len(store) == n

@@ -6,7 +6,8 @@ both settings. Reported per setting: the extrinsic episode return and the intrin
 collected per episode, averaged over the last quarter of each run, then over seeds.
 
 Usage: ``python benchmarks/value_heads.py --frames 300000 --seeds 0 1``
-Last line: one JSON object.
+(smoke: ``--frames 4096 --seeds 0 --workers 1 --envs 4``; ``--workers``/``--envs`` default to
+``oni-train``'s 2 workers × 32 games). Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 import tempfile
 
 
-def run(value_heads: int, seed: int, frames: int) -> dict:
+def run(value_heads: int, seed: int, frames: int, **env) -> dict:
     from torchrl_oni.train import TrainConfig, Trainer
     from torchrl_oni.train.intrinsic import build_intrinsic_hooks
     from torchrl_oni.train.run_log import read_metrics
@@ -25,9 +26,11 @@ def run(value_heads: int, seed: int, frames: int) -> dict:
     logdir = tempfile.mkdtemp(prefix=f"oni-heads{value_heads}-s{seed}-")
     cfg = TrainConfig(task="score", frames=frames, seed=seed, logdir=logdir, value_heads=value_heads,
                       intrinsic_reward="retrieval", annotator="scripted", extrinsic_coeff=0.1,
-                      intrinsic_coeff=0.4, progress=False, tensorboard=False)
+                      intrinsic_coeff=0.4, progress=False, tensorboard=False, **env)
     Trainer(cfg, hooks=build_intrinsic_hooks(cfg)).train()
     rows = [r for r in read_metrics(logdir) if "episode/return" in r]
+    if not rows:
+        raise SystemExit(f"error: no episode ended in {frames:,} frames ({logdir}): raise --frames")
     tail = rows[-max(1, len(rows) // 4):]
     mean = lambda k: statistics.mean(r.get(k, 0.0) for r in tail)  # noqa: E731
     return {
@@ -43,11 +46,14 @@ def main(argv=None):
     p.add_argument("--frames", type=int, default=300_000)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--seconds", type=float, default=None, help="unused: the budget is --frames (kept for symmetry)")
+    p.add_argument("--workers", type=int, default=None, help="env worker processes (default: oni-train's)")
+    p.add_argument("--envs", type=int, default=None, help="games per worker (default: oni-train's)")
     args = p.parse_args(argv)
+    env = {k: v for k, v in (("workers", args.workers), ("envs_per_worker", args.envs)) if v is not None}
     results = {1: [], 2: []}
     for seed in args.seeds:
         for heads in (1, 2):
-            results[heads].append(run(heads, seed, args.frames))
+            results[heads].append(run(heads, seed, args.frames, **env))
     print(f"\nScore, retrieval (scripted), ext 0.1 + int 0.4, {args.frames:,} frames, seeds {args.seeds}")
     print(f"{'value heads':<14} {'extrinsic return':>17} {'intrinsic / episode':>20} {'episode length':>15}")
     summary = {}

@@ -65,3 +65,22 @@ def test_trainer_ceiling_smoke():
     for r in rows:
         assert r["fps"] > 0 and r["updates"] >= 2 and r["intrinsic_reward"] == "retrieval"
         assert {"hooks", "gather", "forward", "backward"} <= set(r["stages"])
+
+
+@pytest.mark.slow
+def test_reward_overhead_smoke():
+    result, table = _last_json([BENCH / "reward_overhead.py", "--seconds", "4", "--rounds", "1", "--warmup", "1",
+                                "--envs-per-worker", "4", "--rm-time-fraction", "0.1",
+                                "--kinds", "classification/inline,classification/background"])
+    assert "classification/background" in table
+    assert result["rm_time_fraction"] == 0.1
+    for name in ("none", "classification_inline", "classification_background"):
+        assert result[f"fps_{name}"] > 0
+    assert 0 < result["ratio_classification_background"] < 10
+    assert result["rm_steps_classification_inline"] >= 1 and "model steps" in table
+
+
+def test_reward_overhead_refuses_an_unknown_type():
+    out = subprocess.run([sys.executable, BENCH / "reward_overhead.py", "--kinds", "classification/sideways"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "classification/sideways" in out.stderr and "Traceback" not in out.stderr

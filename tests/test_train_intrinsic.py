@@ -320,3 +320,63 @@ def test_checkpoint_state_keys_stay_and_load_back(tmp_path, flags, keys):
         assert list(again.state_dict()) == keys
     finally:
         again.close(save=False)
+
+
+def test_background_reward_model_training_never_holds_the_update(tmp_path):
+    """--rm-training background: after_update returns while the reward model's round still runs
+    in its own thread; a checkpoint waits for that round to end; auto keeps CPU learners inline."""
+    import threading
+    import time
+
+    from torchrl_oni.train.intrinsic import IntrinsicRewardHook
+
+    cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="classification", annotator="scripted")
+    cfg.validate()
+    inline = IntrinsicRewardHook(cfg)  # --rm-training auto on a CPU learner
+    try:
+        assert inline.rm_rounds is None
+    finally:
+        inline.close(save=False)
+
+    cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="classification", annotator="scripted",
+                      rm_training="background")
+    cfg.validate()
+    hook = IntrinsicRewardHook(cfg)
+    release, events = threading.Event(), []
+
+    def slow_round():
+        events.append(("round", threading.current_thread().name))
+        assert release.wait(10)
+        events.append(("round done", None))
+        return {"steps": 3, "loss": 0.5}
+
+    hook.rm_trainer.after_iteration = slow_round
+    try:
+        start = time.monotonic()
+        hook.after_update()
+        assert time.monotonic() - start < 1.0
+        deadline = time.monotonic() + 5
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events == [("round", "reward-model training")]
+        threading.Timer(0.3, release.set).start()
+        state = hook.state_dict()  # waits for the round: never a model half way through a step
+        assert events[-1] == ("round done", None) and "rm_trainer" in state
+        assert hook.rm_last == {"steps": 3, "loss": 0.5}
+        hook.after_update()
+        hook.after_update()
+        assert hook.rm_rounds.wait_idle(10)
+        assert "reward_model/rounds_merged" in hook.metrics()
+    finally:
+        release.set()
+        hook.close(save=False)
+    assert not hook.rm_rounds._thread.is_alive()
+
+
+def test_classification_trains_in_the_background_end_to_end(tmp_path):
+    logdir, rows = _run(tmp_path, "--intrinsic-reward", "classification", "--annotator", "scripted",
+                        "--rm-steps-per-labels", "4", "--rm-batch-size", "32", "--rm-time-fraction", "0",
+                        "--rm-training", "background")
+    assert max(r.get("reward_model/steps", 0) for r in rows) >= 4
+    assert "reward_model/rounds_merged" in rows[-1]
+    assert any("reward_model/heldout_accuracy" in r or "reward_model/train_accuracy" in r for r in rows)

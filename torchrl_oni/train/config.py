@@ -227,6 +227,10 @@ class RewardModelConfig:
     time_fraction: Optional[float] = setting(
         None, "cap on the share of wall time spent training the reward model; owed steps are spread over later "
         "iterations (none: 0.1 on CPU, no cap on GPU; 0: no cap)")
+    training: Literal["auto", "inline", "background"] = setting(
+        "auto", "where the reward model trains: inline (between PPO updates: the next update waits for it) or "
+        "background (a thread beside the trainer: updates never wait, rounds that fall behind are merged); "
+        "auto: background when the learner is on a GPU, inline on CPU")
     ensemble: int = setting(1, "reward models trained side by side on bootstrap resamples of the labels; the "
                             "reward is their mean (classification, ranking; > 1 enables --query-selection disagree "
                             "and RUNE)")

@@ -10,7 +10,10 @@ the :class:`~torchrl_oni.train.labelling.Labelling` it holds:
   (ranking pairs), then the :class:`~torchrl_oni.transforms.IntrinsicRewardTransform`;
 * after each PPO iteration (``after_update``): reward-model training for types that have a
   trainer, on the trainer's own :class:`~torchrl_oni.rewards.training.RewardModelSchedule`
-  (ONI's rule within a wall-time budget);
+  (ONI's rule within a wall-time budget), then its held-out evaluation: inline, or with
+  ``--rm-training background`` (the default on a GPU learner) as a round of a
+  :class:`~torchrl_oni.train.background.BackgroundRounds` thread that the next update never
+  waits for (checkpoints pause it between rounds);
 * ``metrics()``: label counts and balance, annotation health, reward-model accuracy, the mean
   intrinsic reward and the fraction of steps rewarded; the most rewarded messages of the last
   window go to ``<logdir>/top_messages.txt`` (the CSV holds numbers only);
@@ -40,6 +43,7 @@ hook only assembles what the declaration asks for.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -53,6 +57,7 @@ from ..atomic import atomic_write
 from ..captions import CAPTION_HASH_KEY, INTRINSIC_REWARD_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_message
 from ..reward_hacking import REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
 from ..run_folder import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
+from .background import BackgroundRounds
 from .config import TrainConfig, resolve_device
 from .labelling import Labelling
 
@@ -134,6 +139,7 @@ class IntrinsicRewardHook:
         self.rm_last: Dict[str, float] = {}
         self._window = _RewardWindow()
         self.hacking = _HackingWatch()
+        self.rm_rounds: Optional[BackgroundRounds] = None  # the reward model's thread (--rm-training background)
         self._closed = False
         try:
             device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
@@ -153,6 +159,11 @@ class IntrinsicRewardHook:
             self.after_reward = self.parts.after_reward
             self.labelling.start_worker(self.reward)
             self.labelling.start_page(self.reward)
+            background = rm.training == "background" or (rm.training == "auto" and device.type == "cuda")
+            if self.rm_trainer is not None and background:
+                # the next update never waits for the reward model's steps (on a GPU node they were
+                # 73 % of the trainer's time, inline): they overlap it and the wait for batches
+                self.rm_rounds = BackgroundRounds(self._reward_model_round, name="reward-model training")
         except BaseException:
             self.close(save=False)  # a run that never started must not write a store
             raise
@@ -196,6 +207,14 @@ class IntrinsicRewardHook:
             self.after_reward.after_update()
         if self.rm_trainer is None:
             return
+        if self.rm_rounds is not None:
+            self.rm_rounds.poke()
+        else:
+            self._reward_model_round()
+
+    def _reward_model_round(self) -> None:
+        """The steps the schedule says are due, then the held-out evaluation if any ran (on the
+        trainer's thread, or on the reward model's own with --rm-training background)."""
         result = self.rm_trainer.after_iteration()
         if result.get("steps"):
             self.rm_last = result
@@ -210,6 +229,8 @@ class IntrinsicRewardHook:
         if self.rm_trainer is not None:
             out["reward_model/steps"] = self.rm_trainer.total_steps
             out["reward_model/steps_owed"] = self.rm_trainer.schedule.owed
+            if self.rm_rounds is not None:  # updates whose round was merged into a later one
+                out["reward_model/rounds_merged"] = self.rm_rounds.coalesced
             for key in ("loss", "train_accuracy", "accuracy", "pseudo_labelled"):
                 if key in self.rm_last and np.isfinite(self.rm_last[key]):
                     out[f"reward_model/{key}"] = float(self.rm_last[key])
@@ -275,22 +296,27 @@ class IntrinsicRewardHook:
 
     def state_dict(self) -> dict:
         """Called at each checkpoint: also writes the caption store beside it."""
-        state = {"kind": self.kind, "store_path": self.save_store()}
-        if self.transform is not None:
-            state["transform"] = self.transform.state_dict()
-        for name, obj in self._stateful().items():
-            state[name] = obj.state_dict()
+        with self._rounds_paused():  # a reward model mid-step is not a state to save
+            state = {"kind": self.kind, "store_path": self.save_store()}
+            if self.transform is not None:
+                state["transform"] = self.transform.state_dict()
+            for name, obj in self._stateful().items():
+                state[name] = obj.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         if not state or state.get("kind") != self.kind:
             log.warning("checkpoint has no %s intrinsic-reward state; starting it fresh", self.kind)
             return
-        if self.transform is not None and "transform" in state:
-            self.transform.load_state_dict(state["transform"])
-        for name, obj in self._stateful().items():
-            if name in state:
-                obj.load_state_dict(state[name])
+        with self._rounds_paused():
+            if self.transform is not None and "transform" in state:
+                self.transform.load_state_dict(state["transform"])
+            for name, obj in self._stateful().items():
+                if name in state:
+                    obj.load_state_dict(state[name])
+
+    def _rounds_paused(self):
+        return self.rm_rounds.paused() if self.rm_rounds is not None else contextlib.nullcontext()
 
     def close(self, save: bool = True) -> None:
         """Stops the annotation worker and the embedded server; saves the store. Idempotent."""
@@ -298,6 +324,11 @@ class IntrinsicRewardHook:
             return
         self._closed = True
         try:
+            if self.rm_rounds is not None:
+                try:
+                    self.rm_rounds.close()  # the round under way ends first: the store is saved after it
+                except RuntimeError as err:  # the last round failed: say so, still save what was labelled
+                    log.error("%s", err)
             self.labelling.stop_page()  # first: answers given until now land in the saved store
             if self.parts is not None and self.parts.close is not None:
                 self.parts.close()
