@@ -23,65 +23,60 @@ class _Gate:
         self.finished += 1
 
 
-def test_poke_returns_at_once_and_rounds_run_in_their_thread():
+@pytest.fixture
+def gated():
+    """A BackgroundRounds whose rounds block on a gate; released and closed after the test."""
     gate = _Gate()
     rounds = BackgroundRounds(gate, name="rm-thread")
-    try:
-        start = time.monotonic()
+    yield gate, rounds
+    gate.release.set()
+    rounds.close()
+
+
+def test_poke_returns_at_once_and_rounds_run_in_their_thread(gated):
+    gate, rounds = gated
+    start = time.monotonic()
+    rounds.poke()
+    assert time.monotonic() - start < 0.5  # the round blocks; the caller does not
+    assert gate.started.acquire(timeout=5)
+    assert gate.threads == ["rm-thread"] and gate.finished == 0
+    gate.release.set()
+    assert rounds.wait_idle(5)
+    assert rounds.rounds == 1 and gate.finished == 1
+
+
+def test_pokes_during_a_round_merge_into_one_next_round(gated):
+    gate, rounds = gated
+    rounds.poke()
+    assert gate.started.acquire(timeout=5)
+    for _ in range(3):  # three updates end while the first round still runs
         rounds.poke()
-        assert time.monotonic() - start < 0.5  # the round blocks; the caller does not
-        assert gate.started.acquire(timeout=5)
-        assert gate.threads == ["rm-thread"] and gate.finished == 0
-        gate.release.set()
-        assert rounds.wait_idle(5)
-        assert rounds.rounds == 1 and gate.finished == 1
-    finally:
-        gate.release.set()
-        rounds.close()
+    gate.release.set()
+    assert rounds.wait_idle(5)
+    assert (rounds.pokes, rounds.rounds, rounds.coalesced) == (4, 2, 2)
 
 
-def test_pokes_during_a_round_merge_into_one_next_round():
-    gate = _Gate()
-    rounds = BackgroundRounds(gate)
-    try:
-        rounds.poke()
-        assert gate.started.acquire(timeout=5)
-        for _ in range(3):  # three updates end while the first round still runs
-            rounds.poke()
-        gate.release.set()
-        assert rounds.wait_idle(5)
-        assert (rounds.pokes, rounds.rounds, rounds.coalesced) == (4, 2, 2)
-    finally:
-        gate.release.set()
-        rounds.close()
-
-
-def test_paused_waits_for_the_running_round_and_holds_the_next():
-    gate = _Gate()
-    rounds = BackgroundRounds(gate)
+def test_paused_waits_for_the_running_round_and_holds_the_next(gated):
+    gate, rounds = gated
     inside = []
-    try:
-        rounds.poke()
-        assert gate.started.acquire(timeout=5)
+    rounds.poke()
+    assert gate.started.acquire(timeout=5)
 
-        def checkpoint():
-            with rounds.paused():
-                inside.append(gate.finished)  # what a checkpoint sees: no round half done
-                rounds.poke()
-                time.sleep(0.3)
-                inside.append(len(gate.threads))  # the round asked for meanwhile has not started
+    def checkpoint():
+        with rounds.paused():
+            inside.append(gate.finished)  # what a checkpoint sees: no round half done
+            rounds.poke()
+            time.sleep(0.3)
+            inside.append(len(gate.threads))  # the round asked for meanwhile has not started
 
-        saver = threading.Thread(target=checkpoint)
-        saver.start()
-        time.sleep(0.2)
-        assert not inside  # still waiting for the running round
-        gate.release.set()
-        saver.join(5)
-        assert inside == [1, 1]
-        assert rounds.wait_idle(5) and rounds.rounds == 2  # released: the held round ran
-    finally:
-        gate.release.set()
-        rounds.close()
+    saver = threading.Thread(target=checkpoint)
+    saver.start()
+    time.sleep(0.2)
+    assert not inside  # still waiting for the running round
+    gate.release.set()
+    saver.join(5)
+    assert inside == [1, 1]
+    assert rounds.wait_idle(5) and rounds.rounds == 2  # released: the held round ran
 
 
 def test_a_failed_round_raises_in_the_trainer_thread_once():
