@@ -12,7 +12,7 @@ the :class:`~torchrl_oni.train.labelling.Labelling` it holds:
   trainer, on the trainer's own :class:`~torchrl_oni.rewards.training.RewardModelSchedule`
   (ONI's rule within a wall-time budget), then its held-out evaluation: inline, or with
   ``--rm-training background`` (the default on a GPU learner) as a round of a
-  :class:`~torchrl_oni.train.background.BackgroundRounds` thread that the next update never
+  :class:`~torchrl_oni.train.background_rounds.BackgroundRounds` thread that the next update never
   waits for (checkpoints pause it between rounds);
 * ``metrics()``: label counts and balance, annotation health, reward-model accuracy, the mean
   intrinsic reward and the fraction of steps rewarded; the most rewarded messages of the last
@@ -57,7 +57,7 @@ from ..atomic import atomic_write
 from ..captions import CAPTION_HASH_KEY, INTRINSIC_REWARD_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_message
 from ..reward_hacking import REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
 from ..run_folder import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
-from .background import BackgroundRounds
+from .background_rounds import BackgroundRounds
 from .config import TrainConfig, resolve_device
 from .labelling import Labelling
 

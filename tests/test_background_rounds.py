@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from torchrl_oni.train.background import BackgroundRounds
+from torchrl_oni.train.background_rounds import BackgroundRounds
 
 
 class _Gate:

@@ -18,12 +18,15 @@ errors              an exception in a round stops the thread; the next ``poke()`
                     ``close()``) raises it in the trainer's thread, so a crash is never silent.
 ==================  ===========================================================================
 
+Not :class:`~torchrl_oni.background.BackgroundLoop`, the asyncio loop that keeps an annotator's
+HTTP calls in flight: a round here is blocking compute, one at a time.
+
 Why a thread and not a process: the reward model is trained where it scores (the learner's
 device), its published copy is swapped under a lock (:class:`~torchrl_oni.rewards.models.
 ServedModel`), and torch releases the GIL inside its kernels.
 
 Example:
-    >>> from torchrl_oni.train.background import BackgroundRounds
+    >>> from torchrl_oni.train.background_rounds import BackgroundRounds
     >>> done = []
     >>> rounds = BackgroundRounds(lambda: done.append(len(done)), name="demo")
     >>> rounds.poke()
