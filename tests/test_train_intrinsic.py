@@ -362,6 +362,9 @@ def test_background_reward_model_training_never_holds_the_update(tmp_path):
         threading.Timer(0.3, release.set).start()
         state = hook.state_dict()  # waits for the round: never a model half way through a step
         assert events[-1] == ("round done", None) and "rm_trainer" in state
+        # a copy: the thread's later steps change the live weights in place, never the state being saved
+        saved, live = state["rm_trainer"]["model"], hook.rm_trainer.model.state_dict()
+        assert all(saved[k].data_ptr() != live[k].data_ptr() and torch.equal(saved[k], live[k]) for k in live)
         assert hook.rm_last == {"steps": 3, "loss": 0.5}
         hook.after_update()
         hook.after_update()

@@ -296,7 +296,9 @@ class IntrinsicRewardHook:
 
     def state_dict(self) -> dict:
         """Called at each checkpoint: also writes the caption store beside it."""
-        with self._rounds_paused():  # a reward model mid-step is not a state to save
+        # a reward model mid-step is not a state to save; the trainers' state_dict() copies their
+        # tensors, so the thread's next steps after the pause leave the checkpoint alone
+        with self._rounds_paused():
             state = {"kind": self.kind, "store_path": self.save_store()}
             if self.transform is not None:
                 state["transform"] = self.transform.state_dict()
