@@ -61,7 +61,9 @@ def steady_fps(logdir: str, warmup: int) -> float:
 TRAINING = ("inline", "background")
 
 
-def run_once(name: str, frames: int, args, root: str) -> float:
+def run_once(name: str, frames: int, args, root: str) -> tuple:
+    """One training run of reward ``name``: its steady frames/s, and its reward model's gradient
+    steps (what the time its training costs bought; 0 without a model)."""
     kind, _, training = name.partition("/")
     logdir = tempfile.mkdtemp(prefix=f"{kind}-", dir=root)
     cfg = TrainConfig(
@@ -72,12 +74,8 @@ def run_once(name: str, frames: int, args, root: str) -> float:
     )
     hooks = build_intrinsic_hooks(cfg)
     Trainer(cfg, hooks=hooks).train()
-    # the reward model's gradient steps in the run: what the time its training costs bought
-    STEPS.setdefault(name, []).append(max((r.get("reward_model/steps", 0) for r in read_metrics(logdir)), default=0))
-    return steady_fps(logdir, args.warmup)
-
-
-STEPS: dict = {}  # reward type -> reward-model steps of each of its runs
+    steps = max((r.get("reward_model/steps", 0) for r in read_metrics(logdir)), default=0)
+    return steady_fps(logdir, args.warmup), steps
 
 
 def main() -> None:
@@ -109,16 +107,19 @@ def main() -> None:
     # calibrate: how many frames fit in the budget
     t0 = time.perf_counter()
     probe_frames = batch * (args.warmup + 6)
-    probe_fps = run_once("none", probe_frames, args, root)
+    probe_fps, _ = run_once("none", probe_frames, args, root)
     probe_wall = time.perf_counter() - t0
     overhead_s = max(probe_wall - probe_frames / probe_fps, 1.0)  # start-up per run
     per_run = max(args.seconds / (args.rounds * len(kinds)) - overhead_s, 2.0)
     frames = max(int(per_run * probe_fps * 0.8) // batch, args.warmup + 4) * batch
 
     rates = {k: [] for k in kinds}
+    model_steps = {k: [] for k in kinds}  # the reward model's steps in each run
     for r in range(args.rounds):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            rates[kind].append(run_once(kind, frames, args, root))
+            fps_run, steps_run = run_once(kind, frames, args, root)
+            rates[kind].append(fps_run)
+            model_steps[kind].append(steps_run)
             print(f"  round {r + 1}/{args.rounds}  {kind:<15} {rates[kind][-1]:8,.0f} frames/s", flush=True)
 
     fps = {k: statistics.median(v) for k, v in rates.items()}
@@ -127,7 +128,7 @@ def main() -> None:
     print(f"{'reward':<26}{'frames/s (median)':>18}{'vs none':>10}{'min..max':>22}{'model steps':>13}")
     for kind in kinds:
         lo, hi = min(rates[kind]), max(rates[kind])
-        steps = f"{statistics.median(STEPS[kind]):,.0f}" if any(STEPS.get(kind, [])) else ""
+        steps = f"{statistics.median(model_steps[kind]):,.0f}" if any(model_steps[kind]) else ""
         print(f"{kind:<26}{fps[kind]:>18,.0f}{fps[kind] / fps['none']:>10.3f}{f'{lo:,.0f}..{hi:,.0f}':>22}{steps:>13}")
     result = {"frames_per_run": frames, "rounds": args.rounds, "workers": args.workers,
               "envs_per_worker": args.envs_per_worker, "cpus": os.cpu_count()}
@@ -137,8 +138,8 @@ def main() -> None:
         result[f"fps_{kind.replace('/', '_')}"] = round(fps[kind], 1)
     for kind in kinds[1:]:
         result[f"ratio_{kind.replace('/', '_')}"] = round(fps[kind] / fps["none"], 4)
-        if any(STEPS.get(kind, [])):
-            result[f"rm_steps_{kind.replace('/', '_')}"] = statistics.median(STEPS[kind])
+        if any(model_steps[kind]):
+            result[f"rm_steps_{kind.replace('/', '_')}"] = statistics.median(model_steps[kind])
     print(json.dumps(result))
 
 

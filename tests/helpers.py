@@ -5,9 +5,12 @@ on ``sys.path`` (as it does for ``fake_llm_server``).
 """
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -76,6 +79,30 @@ def run_cli(module, *args, env=None, timeout=60):
     """Run ``python -m module *args`` to the end; the CompletedProcess, with text output."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+# ------------------------------------------------------------------------------------ benchmarks
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+"""The benchmark scripts' folder."""
+
+
+def _reject_constant(name):
+    raise ValueError(f"the JSON line holds {name}, which is not JSON")
+
+
+def run_script(args, timeout=240, env=None):
+    """Run ``python *args`` (a script and its flags) to the end; the CompletedProcess, with text
+    output. ``env`` adds variables to this process's environment."""
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
+
+
+def bench_json(args, timeout=240, env=None):
+    """Run a benchmark script (``args``: its path and flags) to exit 0; its last line as strict
+    JSON (NaN and Infinity refused: BENCHMARKS.md quotes these lines) and the whole stdout."""
+    out = run_script(args, timeout, env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1], parse_constant=_reject_constant), out.stdout
 
 
 # ------------------------------------------------------------------------------------ the browser

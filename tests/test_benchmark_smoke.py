@@ -5,32 +5,12 @@ exit 0 and end with its JSON line (strict JSON: no NaN) holding the fields BENCH
 Each runs with the scripted annotator or a fake/scripted server: no network, no GPU. What needs
 an optional package (Ray, the SmolLM2 weights) is skipped, saying why, where it is missing.
 """
-import json
 import math
 import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _reject_constant(name):
-    raise ValueError(f"the JSON line holds {name}, which is not JSON")
-
-
-def _run(args, timeout=240, env=None):
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env=None if env is None else {**os.environ, **env})
-
-
-def _last_json(args, timeout=240, env=None):
-    out = _run(args, timeout, env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1], parse_constant=_reject_constant), out.stdout
+from helpers import BENCH, bench_json, run_script
 
 
 def _number(value, low=-math.inf, high=math.inf):
@@ -44,7 +24,7 @@ def _in_tmp(tmp_path):
 
 # ------------------------------------------------------------------------------------------- store
 def test_store_smoke():
-    result, table = _last_json([BENCH / "store.py", "--seconds", "10", "--n", "16384"])
+    result, table = bench_json([BENCH / "store.py", "--seconds", "10", "--n", "16384"])
     assert "CaptionStore benchmark" in table
     assert result["n"] == 16384 and result["extrapolated"] is False
     for key in ("mb_per_million", "index_mb_per_million", "dict_mb_per_million", "lookup_ms", "lookup_collector_ms",
@@ -56,7 +36,7 @@ def test_store_smoke():
 def test_store_budget_too_small_extrapolates():
     """A budget too short for 1M captions measures the smallest store and says so; ``add_ms``
     (adds while the store fills its last rows) is still a number."""
-    result, table = _last_json([BENCH / "store.py", "--seconds", "0.05"])
+    result, table = bench_json([BENCH / "store.py", "--seconds", "0.05"])
     assert result["extrapolated"] is True and result["n"] < 1_000_000
     assert "extrapolated to 1M" in table
     assert _number(result["add_ms"]) and result["add_ms"] > 0
@@ -65,7 +45,7 @@ def test_store_budget_too_small_extrapolates():
 
 # -------------------------------------------------------------------------------- env throughput
 def test_env_throughput_smoke():
-    result, table = _last_json([BENCH / "env_throughput.py", "--seconds", "1", "--envs", "2", "--rounds", "1"])
+    result, table = bench_json([BENCH / "env_throughput.py", "--seconds", "1", "--envs", "2", "--rounds", "1"])
     assert "NLEBatchEnv(2)" in table and "NetHack's step skipped" in table
     assert result["envs"] == 2 and set(result["per_envs"]) == {"2"}
     for key in ("raw_fps", "batched_fps", "raw_same_keys_fps", "task_loop_fps", "gymenv_fps"):
@@ -77,13 +57,13 @@ def test_env_throughput_smoke():
 
 
 def test_env_throughput_rejects_bad_flags():
-    out = _run([BENCH / "env_throughput.py", "--seconds", "0"], timeout=120)
+    out = run_script([BENCH / "env_throughput.py", "--seconds", "0"], timeout=120)
     assert out.returncode == 2 and "must be positive" in out.stderr and "Traceback" not in out.stderr
 
 
 # ------------------------------------------------------------------------------ label efficiency
 def test_label_efficiency_smoke():
-    result, table = _last_json([BENCH / "label_efficiency.py", "--envs", "4", "--env-steps", "300",
+    result, table = bench_json([BENCH / "label_efficiency.py", "--envs", "4", "--env-steps", "300",
                                 "--budgets", "20", "40", "--seeds", "0", "--members", "2", "--steps-per-round", "2",
                                 "--batch-size", "16", "--initial", "10"])
     assert "held-out balanced accuracy" in table
@@ -120,7 +100,7 @@ def _check_learning(result, episodes_of):
 
 
 def test_learning_check_smoke(tmp_path):
-    result, table = _last_json([BENCH / "learning_check.py", "--frames", "1024", "--annotator", "scripted",
+    result, table = bench_json([BENCH / "learning_check.py", "--frames", "1024", "--annotator", "scripted",
                                 "--workers", "1", "--envs-per-worker", "4", "--episodes", "2",
                                 "--logdir", tmp_path / "run"])
     assert result["intrinsic_reward"] == "retrieval"
@@ -130,7 +110,7 @@ def test_learning_check_smoke(tmp_path):
 
 def test_learning_check_ellm_smoke(tmp_path):
     """ELLM with the scripted goal suggester (MiniLM if installed, else the hashed encoder)."""
-    result, table = _last_json([BENCH / "learning_check.py", "--frames", "1024", "--annotator", "scripted",
+    result, table = bench_json([BENCH / "learning_check.py", "--frames", "1024", "--annotator", "scripted",
                                 "--intrinsic-reward", "ellm", "--workers", "1", "--envs-per-worker", "4",
                                 "--episodes", "2", "--goal-seconds", "30", "--logdir", tmp_path / "run"])
     assert result["intrinsic_reward"] == "ellm"
@@ -144,7 +124,7 @@ def test_learning_check_ellm_smoke(tmp_path):
 
 # ----------------------------------------------------------------------------------- value heads
 def test_value_heads_smoke(tmp_path):
-    result, table = _last_json([BENCH / "value_heads.py", "--frames", "4096", "--seeds", "0",
+    result, table = bench_json([BENCH / "value_heads.py", "--frames", "4096", "--seeds", "0",
                                 "--workers", "1", "--envs", "4"], env=_in_tmp(tmp_path))
     assert "value heads" in table
     assert result["frames"] == 4096 and result["seeds"] == [0]
@@ -159,7 +139,7 @@ def test_scale_out_smoke(tmp_path):
     pytest.importorskip("ray")
     # Ray's session folder stays in the usual temp dir: its socket paths must stay short
     env = {**_in_tmp(tmp_path), "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", tempfile.gettempdir())}
-    result, table = _last_json([BENCH / "scale_out.py", "--seconds", "2", "--workers", "1", "--envs", "4",
+    result, table = bench_json([BENCH / "scale_out.py", "--seconds", "2", "--workers", "1", "--envs", "4",
                                 "--rollout", "16"], env=env)
     assert "backend" in table and "ray" in table
     for key in ("local_fps", "ray_fps", "ray_over_local", "local_startup_s", "ray_startup_s"):
@@ -173,7 +153,7 @@ def test_scale_out_smoke(tmp_path):
 def test_annotation_throughput_smoke_with_a_server_url(scripted):
     """``--llm-url`` (the path for vLLM or any server) against the scripted server, with the
     collector part (``ratio``: frames/s with the annotation transform on / off)."""
-    result, table = _last_json([BENCH / "annotation_throughput.py", "--llm-url", scripted.url, "--seconds", "1",
+    result, table = bench_json([BENCH / "annotation_throughput.py", "--llm-url", scripted.url, "--seconds", "1",
                                 "--batches", "1,8", "--collector-seconds", "3"])
     assert "collector, 2 workers x 32 games" in table
     assert result["model"] == scripted.model and result["server"] == scripted.url
@@ -194,7 +174,7 @@ def test_annotation_throughput_smoke_embedded_model():
 
     if not is_installed(TEST_MODEL):
         pytest.skip(f"model package missing: {resolve_model(TEST_MODEL).pip_install}")
-    result, table = _last_json([BENCH / "annotation_throughput.py", "--model", TEST_MODEL, "--threads", "1",
+    result, table = bench_json([BENCH / "annotation_throughput.py", "--model", TEST_MODEL, "--threads", "1",
                                 "--seconds", "2", "--batches", "1,8", "--collector-seconds", "0"])
     assert "labelled messages" in table
     assert result["model"] == resolve_model(TEST_MODEL).name and result["threads"] == 1
@@ -206,14 +186,14 @@ def test_annotation_throughput_smoke_embedded_model():
 
 
 def test_annotation_throughput_refuses_a_missing_model():
-    out = _run([BENCH / "annotation_throughput.py", "--model", "no-such-model", "--seconds", "1",
+    out = run_script([BENCH / "annotation_throughput.py", "--model", "no-such-model", "--seconds", "1",
                 "--batches", "1", "--collector-seconds", "0"], timeout=120)
     assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_annotation_faults_smoke(tmp_path):
     """The outage and pool scenarios (what BENCHMARKS.md quotes) on captions of a 1-worker trainer."""
-    result, table = _last_json([BENCH / "annotation_faults.py", "--scenarios", "outage,pool", "--seconds", "2",
+    result, table = bench_json([BENCH / "annotation_faults.py", "--scenarios", "outage,pool", "--seconds", "2",
                                 "--workers", "1", "--envs", "4", "--rollout", "16", "--outage-s", "0.5",
                                 "--sample-s", "0.25"], env=_in_tmp(tmp_path))
     assert "== outage" in table and "== pool: two fake servers, one killed" in table and "health:" in table
@@ -232,5 +212,5 @@ def test_annotation_faults_smoke(tmp_path):
 
 
 def test_annotation_faults_rejects_an_unknown_scenario():
-    out = _run([BENCH / "annotation_faults.py", "--scenarios", "outage,flood"], timeout=120)
+    out = run_script([BENCH / "annotation_faults.py", "--scenarios", "outage,flood"], timeout=120)
     assert out.returncode == 2 and "unknown scenario(s): flood" in out.stderr

@@ -1,23 +1,11 @@
 """Seconds-long runs of the throughput benchmarks, so that a refactor cannot leave them crashing:
 each must end with its JSON line and the fields BENCHMARKS.md quotes."""
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _last_json(args, timeout=240):
-    out = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
+from helpers import BENCH, bench_json, run_script
 
 
 def test_learner_throughput_smoke():
-    result, table = _last_json([BENCH / "learner_throughput.py", "--seconds", "0.5", "--threads", "1",
+    result, table = bench_json([BENCH / "learner_throughput.py", "--seconds", "0.5", "--threads", "1",
                                 "--frames-per-update", "256", "512", "--minibatch-size", "128"])
     assert "frames/s" in table and "GAE path" in table
     rows = result["results"]
@@ -33,14 +21,13 @@ def test_learner_throughput_refuses_missing_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    out = subprocess.run([sys.executable, BENCH / "learner_throughput.py", "--device", "cuda"],
-                         capture_output=True, text=True, timeout=120)
+    out = run_script([BENCH / "learner_throughput.py", "--device", "cuda"], timeout=120)
     assert out.returncode == 2 and "CUDA is not available" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.slow
 def test_train_throughput_smoke():
-    result, table = _last_json([BENCH / "train_throughput.py", "--seconds", "12", "--workers", "1", "--envs", "4",
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "12", "--workers", "1", "--envs", "4",
                                 "--frames-per-update", "256", "--no-baseline"])
     assert result["fps"] > 0 and result["frames_per_update"] == 256
     assert {"gae", "forward", "backward", "weights"} <= set(result["stages"])
@@ -50,14 +37,14 @@ def test_train_throughput_smoke():
 
 
 def test_drop_in_overhead_smoke():
-    result, table = _last_json([BENCH / "drop_in_overhead.py", "--seconds", "1.5", "--rounds", "1"])
+    result, table = bench_json([BENCH / "drop_in_overhead.py", "--seconds", "1.5", "--rounds", "1"])
     assert "+ oni_transforms" in table
     assert set(result["fps"]) == {"GymEnv", "+ copy, hash, count", "+ oni_transforms"}
     assert all(v > 0 for v in result["fps"].values()) and 0 < result["ratio"] < 2
 
 
 def test_trainer_ceiling_smoke():
-    result, table = _last_json([BENCH / "trainer_ceiling.py", "--seconds", "2", "--games", "4", "--rollout", "16",
+    result, table = bench_json([BENCH / "trainer_ceiling.py", "--seconds", "2", "--games", "4", "--rollout", "16",
                                 "--frames-per-update", "64", "128"])
     assert "stand-in collector" in table
     rows = result["results"]
@@ -69,7 +56,7 @@ def test_trainer_ceiling_smoke():
 
 @pytest.mark.slow
 def test_reward_overhead_smoke():
-    result, table = _last_json([BENCH / "reward_overhead.py", "--seconds", "4", "--rounds", "1", "--warmup", "1",
+    result, table = bench_json([BENCH / "reward_overhead.py", "--seconds", "4", "--rounds", "1", "--warmup", "1",
                                 "--envs-per-worker", "4", "--rm-time-fraction", "0.1",
                                 "--kinds", "classification/inline,classification/background"])
     assert "classification/background" in table
@@ -81,6 +68,5 @@ def test_reward_overhead_smoke():
 
 
 def test_reward_overhead_refuses_an_unknown_type():
-    out = subprocess.run([sys.executable, BENCH / "reward_overhead.py", "--kinds", "classification/sideways"],
-                         capture_output=True, text=True, timeout=120)
+    out = run_script([BENCH / "reward_overhead.py", "--kinds", "classification/sideways"], timeout=120)
     assert out.returncode == 2 and "classification/sideways" in out.stderr and "Traceback" not in out.stderr

@@ -309,13 +309,15 @@ class PlainStep:
         kind = interaction_type() or self.default_interaction
         if kind not in (InteractionType.RANDOM, InteractionType.MODE, InteractionType.DETERMINISTIC):
             return None
-        logits = self.net(*(td.get(key) for key in self.in_keys))
+        out_net = self.net(*(td.get(key) for key in self.in_keys))  # the logits, or the GRU's input
         next_state = None
-        if self.gru is not None:  # the net was the encoder: one GRU step from the state (zeros after a reset), the head
+        if self.gru is None:
+            logits = out_net
+        else:  # the net was the encoder: one GRU step from the state (zeros after a reset), the head
             state = td.get(self.state_key)  # [B, 1, H]
             state = torch.where(td.get(self.init_key).unsqueeze(-1), torch.zeros((), dtype=state.dtype,
                                                                                 device=state.device), state)
-            y, hidden = self.gru.gru(logits.unsqueeze(1), state.transpose(0, 1).contiguous())
+            y, hidden = self.gru.gru(out_net.unsqueeze(1), state.transpose(0, 1).contiguous())
             logits = self.head(y[:, 0])
             next_state = hidden.transpose(0, 1)
         log_probs = torch.log_softmax(logits, -1)
