@@ -108,6 +108,13 @@ EVAL_METRICS = (
 )
 
 
+# the eval.json fields that fix which games oni-eval plays (its module docstring): runs equal in all
+# of them played episode k from the same game seed, so their episodes pair one to one
+EVAL_GAMES = ("task", "seed", "episodes", "workers", "envs_per_worker", "max_episode_steps")
+
+BASELINE = "none"  # the setting the paired analysis compares every other setting against
+
+
 class GridError(ValueError):
     """Bad input: a flag, an oni-train/oni-eval flag set, a run folder of another configuration."""
 
@@ -554,6 +561,10 @@ def collect_run(run: Run, args) -> dict:
         out["eval"] = {key: _dig(result, path) for key, path, _ in EVAL_METRICS}
         out["eval_time_s"] = result.get("time_s")
         out["caption_store"] = result.get("caption_store")
+        episodes = sorted(result.get("per_episode") or [], key=lambda e: e.get("episode", 0))
+        # "0110…": episode k's success, k in oni-eval's order; two runs with equal eval_games played the same games
+        out["episode_success"] = "".join("1" if e.get("success") else "0" for e in episodes)
+        out["eval_games"] = {key: result.get(key) for key in EVAL_GAMES}
     metrics = run.logdir / METRICS_NAME
     if metrics.exists():
         try:
@@ -596,6 +607,80 @@ def aggregate(per_run: List[dict], args) -> List[dict]:
                "eval_time_s": stat(r["eval_time_s"] for r in done)}
         rows.append(row)
     return rows
+
+
+def paired(per_run: List[dict], baseline: str = BASELINE) -> List[dict]:
+    """Per task, every setting against ``baseline`` on the seeds both have done: each seed is a pair
+    (the two runs share the training seed and, when their ``eval_games`` agree, the evaluation games).
+
+    ``success``: :func:`torchrl_oni.stats.paired_difference` of the seeds' success rates (the mean
+    difference, its Student-t 95 % CI, whether that excludes 0, the exact sign-flip p, seeds won).
+    ``episodes``: the episodes paired by game over those seeds — counts of both/only one/neither
+    succeeding and the exact McNemar p — or None, with ``episodes_unpaired`` saying why, when some
+    pair did not play the same games.
+    """
+    from torchrl_oni.stats import mcnemar_exact, paired_difference
+
+    done = {(r["task"], r["setting"], r["seed"]): r for r in per_run
+            if r["status"] == "done" and r["eval"].get("success") is not None}
+    rows = []
+    for task in dict.fromkeys(r["task"] for r in per_run):
+        settings = [s for s in dict.fromkeys(r["setting"] for r in per_run if r["task"] == task) if s != baseline]
+        for setting in settings:
+            seeds = sorted(seed for (t, s_, seed) in done if t == task and s_ == setting
+                           and (task, baseline, seed) in done)
+            if not seeds:
+                continue
+            pairs = [(done[(task, setting, k)], done[(task, baseline, k)]) for k in seeds]
+            row = {"task": task, "setting": setting, "baseline": baseline, "seeds": seeds,
+                   "success": paired_difference([a["eval"]["success"] for a, _ in pairs],
+                                                [b["eval"]["success"] for _, b in pairs]),
+                   "episodes": None}
+            mismatched = [k for k, (a, b) in zip(seeds, pairs)
+                          if a.get("eval_games") != b.get("eval_games") or not a.get("episode_success")
+                          or len(a["episode_success"]) != len(b.get("episode_success") or "")]
+            if mismatched:
+                row["episodes_unpaired"] = (f"seed(s) {', '.join(map(str, mismatched))}: the two runs were not "
+                                            "evaluated on the same games (eval.json differs in "
+                                            f"{'/'.join(EVAL_GAMES)} or has no per_episode)")
+            else:
+                counts = {"both": 0, "only_setting": 0, "only_baseline": 0, "neither": 0}
+                for a, b in pairs:
+                    for x, y in zip(a["episode_success"], b["episode_success"]):
+                        counts[{("1", "1"): "both", ("1", "0"): "only_setting", ("0", "1"): "only_baseline",
+                                ("0", "0"): "neither"}[(x, y)]] += 1
+                counts["pairs"] = sum(counts.values())
+                counts["p"] = mcnemar_exact(counts["only_setting"], counts["only_baseline"])
+                row["episodes"] = counts
+            rows.append(row)
+    return rows
+
+
+def format_paired(rows: List[dict]) -> List[str]:
+    """The paired table's lines (none without a baseline in the grid)."""
+    if not rows:
+        return []
+    width = max(len(f"{r['task']} / {r['setting']} - {r['baseline']}") for r in rows) + 2
+    lines = ["", "Paired against the baseline: per seed, success(setting) - success(baseline), the two runs "
+                 "trained from the same seed; mean ±half-width of its 95 % CI (Student's t), the exact "
+                 "sign-flip p over seeds, seeds won; then the evaluation episodes paired by game "
+                 "(both / only the setting / only the baseline succeeded) and McNemar's exact p",
+             f"{'task / setting - baseline':<{width}}{'seeds':>6}{'difference':>18}{'CI excl. 0':>12}{'p (seeds)':>11}"
+             f"{'won/lost':>10}{'episodes':>10}{'both/only s/only b':>20}{'p (episodes)':>14}"]
+    for r in rows:
+        d = r["success"]
+        diff = f"{d['mean']:+.3f}" + ("" if d["ci95"] is None else f" ±{(d['ci95'][1] - d['ci95'][0]) / 2:.3f}")
+        won = f"{d['wins'][0]}/{d['wins'][1]}"
+        e = r["episodes"]
+        eps = ("-", "not paired", "-") if e is None else (
+            f"{e['pairs']}", f"{e['both']}/{e['only_setting']}/{e['only_baseline']}", f"{e['p']:.3f}")
+        lines.append(f"{r['task'] + ' / ' + r['setting'] + ' - ' + r['baseline']:<{width}}{len(r['seeds']):>6}"
+                     f"{diff:>18}{'yes' if d['excludes_zero'] else 'no':>12}{d['p']:>11.3f}"
+                     f"{won:>10}"
+                     f"{eps[0]:>10}{eps[1]:>20}{eps[2]:>14}")
+        if e is None and r.get("episodes_unpaired"):
+            lines.append(f"  {r['episodes_unpaired']}")
+    return lines
 
 
 def _cell(s: dict, digits: int = 2) -> str:
@@ -816,8 +901,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failed = [r for r in runs if r.outcome == "failed"]
     per_run = [collect_run(r, args) for r in runs]
     rows = aggregate(per_run, args)
+    paired_rows = paired(per_run)
     figures = make_figures(runs, args) if args.plot else []
-    print(format_tables(rows, per_run, args))
+    print("\n".join([format_tables(rows, per_run, args)] + format_paired(paired_rows)))
     summary = {
         "benchmark": "sparse_tasks",
         "root": str(args.root),
@@ -826,6 +912,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "extra_for": [list(x) for x in args.extra_for], "eval_extra": args.eval_extra},
         "budgets": args.budgets,
         "rows": rows,
+        "paired": paired_rows,
         "runs": per_run,
         "launched": launcher.launched,
         "done": sum(r.status == "done" for r in runs),

@@ -78,6 +78,17 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
     assert per_run["none"]["frames"] == evals["none"]["frames_trained"]
     assert summary["figures"] == [str(root / "staircase" / "curves.png")]
     assert (root / "staircase" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # every setting against none, seed 0 a pair, the 4 evaluation episodes paired by game
+    paired = {r["setting"]: r for r in summary["paired"]}
+    assert set(paired) == {"retrieval-scripted", "random"}
+    for setting, row in paired.items():
+        assert row["baseline"] == "none" and row["seeds"] == [0]
+        assert row["success"]["mean"] == pytest.approx(
+            evals[setting]["success_rate"]["mean"] - evals["none"]["success_rate"]["mean"])
+        assert row["episodes"]["pairs"] == 4
+        mine = sum(e["success"] for e in evals[setting]["per_episode"])
+        assert row["episodes"]["both"] + row["episodes"]["only_setting"] == mine
+    assert any(line.startswith("Paired against the baseline") for line in table)
 
     # the same command again: everything is done, nothing is launched, nothing rewritten
     before = _snapshot(root)
@@ -227,6 +238,50 @@ def test_aggregate_is_mean_and_student_t_ci_over_the_seeds_that_are_done(grid):
     line = next(line for line in text.splitlines() if line.startswith("staircase / retrieval-llm") and "/4" in line)
     half = T975[2] * 0.25 / math.sqrt(3)  # success: mean 0.5, standard deviation 0.25 over 3 seeds
     assert f"0.500 ±{half:.3f}" in line, line
+
+
+def _evaluated(setting, seed, episodes, games=None):
+    """A done run whose evaluation episodes succeeded as ``episodes`` says ("0110…")."""
+    run = _per_run("staircase", setting, seed, "done", episodes.count("1") / len(episodes), 0.0, 0.0)
+    run["episode_success"] = episodes
+    run["eval_games"] = games or {"task": "staircase", "seed": 0, "episodes": len(episodes), "workers": 1,
+                                  "envs_per_worker": 4, "max_episode_steps": 5000}
+    return run
+
+
+def test_paired_analysis_pairs_seeds_and_games_and_matches_a_reference(grid):
+    from scipy import stats as scipy_stats  # the reference: SciPy's paired t interval and binomial test
+
+    oni = ["1100", "1000", "1110", "0100", "1000"]
+    none = ["1000", "0000", "0110", "0010", "0000"]  # seed 3: a tie, each side winning a game
+    per_run = [_evaluated("retrieval-llm", k, e) for k, e in enumerate(oni)]
+    per_run += [_evaluated("none", k, e) for k, e in enumerate(none)]
+    per_run.append(_evaluated("retrieval-llm", 9, "1111"))  # no baseline run of seed 9: no pair
+    per_run.append(_per_run("staircase", "none", 8, "train", None, None, 0.0))  # not done: no pair
+    [row] = grid.paired(per_run)
+    assert row["setting"] == "retrieval-llm" and row["baseline"] == "none" and row["seeds"] == [0, 1, 2, 3, 4]
+    a = [e.count("1") / 4 for e in oni]
+    b = [e.count("1") / 4 for e in none]
+    ci = scipy_stats.ttest_rel(a, b).confidence_interval()
+    assert row["success"]["mean"] == pytest.approx(sum(a) / 5 - sum(b) / 5)
+    assert row["success"]["ci95"] == pytest.approx([ci.low, ci.high], abs=1e-3)
+    assert row["success"]["wins"] == [4, 0] and row["success"]["p"] == pytest.approx(2 / 16)  # 4 non-zero pairs
+    # episodes: seed 0 "1100" vs "1000" -> both 1, only oni 1, neither 2; and so on
+    assert row["episodes"] == {"both": 3, "only_setting": 5, "only_baseline": 1, "neither": 11, "pairs": 20,
+                               "p": pytest.approx(scipy_stats.binomtest(5, 6).pvalue)}
+    text = "\n".join(grid.format_paired([row]))
+    assert "staircase / retrieval-llm - none" in text and "3/5/1" in text
+
+
+def test_paired_analysis_does_not_pair_episodes_of_different_games(grid):
+    other_games = {"task": "staircase", "seed": 1, "episodes": 4, "workers": 1, "envs_per_worker": 4,
+                   "max_episode_steps": 5000}
+    per_run = [_evaluated("retrieval-llm", 0, "1100"), _evaluated("none", 0, "1000", games=other_games)]
+    [row] = grid.paired(per_run)
+    assert row["success"]["n"] == 1 and row["success"]["mean"] == pytest.approx(0.25)
+    assert row["episodes"] is None and "seed(s) 0" in row["episodes_unpaired"]
+    assert "not paired" in "\n".join(grid.format_paired([row]))
+    assert grid.paired([_evaluated("retrieval-llm", 0, "1100")]) == []  # no baseline in the grid
 
 
 def test_curve_values_are_read_at_the_budgets(grid, tmp_path):
