@@ -73,6 +73,46 @@ def test_shaped_reward_uses_coefficients_and_clip(tmp_path):
     assert torch.equal(batch["next", "extrinsic_reward"], torch.tensor([[50.0], [-1.0]]))
 
 
+@pytest.mark.parametrize("value_heads", [1, 2])
+def test_death_penalty_and_survival_bonus_are_paid_on_the_right_steps(tmp_path, value_heads):
+    from tensordict import TensorDict
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = _cfg(tmp_path, extrinsic_coeff=0.1, intrinsic_coeff=0.5, intrinsic_reward="retrieval",
+                       death_penalty=3.0, survival_bonus=0.25)
+    trainer.value_heads = value_heads
+    # step 0 lives on, step 1 dies (NLE's DEATH), step 2 succeeds (the task's status 2), step 3 times out (-1)
+    batch = TensorDict({("next", "reward"): torch.tensor([[1.0], [0.0], [50.0], [0.0]]),
+                        ("next", "intrinsic_reward"): torch.tensor([[1.0], [1.0], [0.0], [0.0]]),
+                        ("next", "episode", "end_status"): torch.tensor([0, 1, 2, -1])}, batch_size=[4])
+    trainer.shape_reward(batch)
+    mixed = torch.tensor([0.1 + 0.5, 0.5, 1.0, 0.0])  # the coefficients and the clip at 10, as without the options
+    expected = mixed + torch.tensor([0.25, -3.0, 0.25, 0.25])
+    assert torch.allclose(batch["next", "reward"].squeeze(-1), expected)
+    if value_heads == 2:  # the game's stream carries the terms; the two streams still sum to the reward
+        assert torch.allclose(batch["next", "reward_ext"].squeeze(-1), torch.tensor([0.1, 0.0, 1.0, 0.0])
+                              + torch.tensor([0.25, -3.0, 0.25, 0.25]))
+        assert torch.allclose(batch["next", "reward_ext"] + batch["next", "reward_int"], batch["next", "reward"])
+
+
+def test_death_penalty_and_survival_bonus_are_off_by_default_and_refused_when_negative(tmp_path):
+    cfg = _cfg(tmp_path)
+    assert cfg.reward.death_penalty == 0.0 and cfg.reward.survival_bonus == 0.0
+    out = run_cli("torchrl_oni.train", "--death-penalty", "-1", "--logdir", str(tmp_path / "r"))
+    assert out.returncode == 2 and "--death-penalty" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_run_with_a_death_penalty_and_a_survival_bonus_trains_and_records_them(tmp_path):
+    from helpers import TINY
+
+    out = run_cli("torchrl_oni.train", *TINY, "--death-penalty", "2", "--survival-bonus", "0.01",
+                  "--max-episode-steps", "64", "--logdir", str(tmp_path / "r"), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    saved = TrainConfig.from_yaml((tmp_path / "r" / "config.yaml").read_text())
+    assert saved.reward.death_penalty == 2.0 and saved.reward.survival_bonus == 0.01
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["oni", "oni-lstm"])
 def test_recurrent_policies_train(tmp_path, arch):

@@ -383,3 +383,63 @@ def test_classification_trains_in_the_background_end_to_end(tmp_path):
     assert max(r.get("reward_model/steps", 0) for r in rows) >= 4
     assert "reward_model/rounds_merged" in rows[-1]
     assert any("reward_model/heldout_accuracy" in r or "reward_model/train_accuracy" in r for r in rows)
+
+
+def test_run_message_counts_match_a_loop_over_every_sighting():
+    from torchrl_oni.rewards.scaling import RunMessageCounts
+
+    rng = np.random.default_rng(0)
+    counts, seen = RunMessageCounts(), {}
+    for _ in range(5):
+        hashes = rng.integers(-4, 5, size=int(rng.integers(0, 40)))  # few captions: many repeats
+        expected = []
+        for h in hashes.tolist():
+            seen[h] = seen.get(h, 0) + 1
+            expected.append(seen[h])
+        assert counts.count(torch.from_numpy(hashes)).tolist() == expected
+    again = RunMessageCounts()
+    again.load_state_dict(counts.state_dict())
+    assert again.seen == seen and len(again) == len(seen)
+
+
+def test_count_scope_run_counts_a_batch_in_time_order_and_feeds_the_decay(tmp_path):
+    from tensordict import TensorDict
+
+    from torchrl_oni.captions import RUN_COUNT_KEY
+    from torchrl_oni.train.intrinsic import IntrinsicRewardHook
+
+    cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="retrieval", annotator="scripted", count_scope="run")
+    cfg.validate()
+    hook = IntrinsicRewardHook(cfg)
+    try:
+        assert hook.transform.count_key == RUN_COUNT_KEY
+        # 2 games x 3 steps: game 0 sees 5, 6, 5; game 1 sees 6, 6, 5
+        batch = TensorDict({"caption_hash": torch.tensor([[5, 6, 5], [6, 6, 5]])}, [2, 3])
+        hook._write_run_counts(batch)
+        assert batch[RUN_COUNT_KEY].tolist() == [[1, 2, 2], [1, 3, 3]]
+        hook._write_run_counts(batch)  # the next batch goes on from the run's counts
+        assert batch[RUN_COUNT_KEY].tolist() == [[4, 5, 5], [4, 6, 6]]
+        assert hook.state_dict()["run_counts"]["counts"].sum() == 12
+    finally:
+        hook.close(save=False)
+    default = TrainConfig(logdir=str(tmp_path / "d"), intrinsic_reward="retrieval", annotator="scripted")
+    hook = IntrinsicRewardHook(default)
+    try:
+        assert hook.run_counts is None and "run_counts" not in hook.state_dict()  # ONI's per-episode count
+    finally:
+        hook.close(save=False)
+
+
+def test_count_scope_run_trains_and_counts_every_paying_step(tmp_path):
+    from torchrl_oni.train import Trainer
+    from torchrl_oni.train.intrinsic import build_intrinsic_hooks
+
+    cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="retrieval", annotator="scripted", count_scope="run",
+                      frames=1024, workers=1, envs_per_worker=4, rollout=32, minibatch_size=64, progress=False,
+                      tensorboard=False)
+    hooks = build_intrinsic_hooks(cfg)
+    trainer = Trainer(cfg, hooks=hooks)
+    summary = trainer.train()
+    [hook] = [h for h in hooks if hasattr(h, "run_counts")]
+    assert sum(hook.run_counts.seen.values()) == summary["frames"]  # one sighting per step that could pay
+    assert max(hook.run_counts.seen.values()) > 4  # counts run across the episodes of 256 steps

@@ -30,6 +30,7 @@ MESSAGE_LEN = 256
 MESSAGE_KEY = "message"
 CAPTION_HASH_KEY = "caption_hash"
 MSG_COUNT_KEY = "msg_count"
+RUN_COUNT_KEY = "run_msg_count"  # --count-scope run: the trainer's count of a message's sightings in the run
 INTRINSIC_REWARD_KEY = "intrinsic_reward"
 REWARD_KEY = "reward"
 GOAL_EMBEDDING_KEY = "goal_embedding"  # ELLM: the current goals' embedding, an optional policy input

@@ -27,7 +27,11 @@ import torch
 
 from torchrl_oni.locks import OwnLockOnCopy
 
-__all__ = ["count_scale", "threshold", "combine_rewards", "reward_streams", "RunningMeanStd"]
+__all__ = ["count_scale", "threshold", "combine_rewards", "reward_streams", "survival_terms", "RunningMeanStd",
+           "RunMessageCounts", "DEATH_STATUS"]
+
+DEATH_STATUS = 1
+"""NLE's ``StepStatus.DEATH``: the ``episode/end_status`` of the step on which the agent dies."""
 
 
 def count_scale(rewards: torch.Tensor, msg_count: torch.Tensor, beta: float = 3.0) -> torch.Tensor:
@@ -72,6 +76,21 @@ def reward_streams(
         extrinsic = extrinsic.clamp(-float(extrinsic_clip), float(extrinsic_clip))
     intrinsic = intrinsic.reshape(extrinsic.shape).to(extrinsic.dtype)
     return extrinsic_coeff * extrinsic, intrinsic_coeff * intrinsic
+
+
+def survival_terms(end_status: torch.Tensor, death_penalty: float = 0.0, survival_bonus: float = 0.0) -> torch.Tensor:
+    """The reward for staying alive: ``-death_penalty`` on the step the agent dies (``end_status``
+    is :data:`DEATH_STATUS`), ``+survival_bonus`` on every other step, as ``float32`` shaped like
+    ``end_status``. Neither is in ONI; both are options against intrinsic rewards that pay for
+    habits that kill (a meal that chokes), added after the coefficients.
+
+    Example:
+        >>> import torch
+        >>> survival_terms(torch.tensor([0, 1, 2, -1]), death_penalty=5.0, survival_bonus=0.01)
+        tensor([ 0.0100, -5.0000,  0.0100,  0.0100])
+    """
+    died = end_status == DEATH_STATUS
+    return torch.where(died, torch.full((), -float(death_penalty)), torch.full((), float(survival_bonus)))
 
 
 def combine_rewards(
@@ -148,3 +167,53 @@ class RunningMeanStd(OwnLockOnCopy):
             self.mean = float(state["mean"])
             self.var = float(state["var"])
             self.count = float(state["count"])
+
+
+class RunMessageCounts:
+    """Sightings of each caption over the whole run, for a count decay that never restarts.
+
+    ONI decays a caption's reward by its count *in the episode*, so a caption is paid again in
+    full after every reset (the meal that is eaten in every episode). With these counts in
+    place of ``msg_count`` (``--count-scope run``, not in ONI) a caption pays ``R · n ** -beta``
+    at its n-th sighting in the run. :meth:`count` takes the hashes in the order they were seen
+    and returns each sighting's count, this one included; the table lives in the trainer
+    process and travels in checkpoints (:meth:`state_dict`).
+
+    Example:
+        >>> import torch
+        >>> counts = RunMessageCounts()
+        >>> counts.count(torch.tensor([7, 7, 9]))
+        tensor([1, 2, 1])
+        >>> counts.count(torch.tensor([9, 7]))  # a later batch goes on from the table
+        tensor([2, 3])
+    """
+
+    def __init__(self):
+        self.seen: dict = {}  # caption hash -> sightings so far
+
+    def count(self, hashes: torch.Tensor) -> torch.Tensor:
+        flat = hashes.reshape(-1).to(torch.int64).cpu()
+        if flat.numel() == 0:
+            return torch.zeros(hashes.shape, dtype=torch.int64)
+        unique, inverse, sizes = torch.unique(flat, return_inverse=True, return_counts=True)
+        # each sighting's rank among the sightings of its caption in this batch, in order
+        order = torch.argsort(inverse, stable=True)
+        starts = torch.cumsum(sizes, 0) - sizes
+        rank = torch.empty_like(flat)
+        rank[order] = torch.arange(flat.numel()) - starts.repeat_interleave(sizes)
+        keys = unique.tolist()
+        before = torch.tensor([self.seen.get(h, 0) for h in keys], dtype=torch.int64)
+        for h, n in zip(keys, (before + sizes).tolist()):
+            self.seen[h] = n
+        return (before[inverse] + rank + 1).reshape(hashes.shape)
+
+    def __len__(self) -> int:
+        return len(self.seen)
+
+    def state_dict(self) -> dict:
+        return {"hashes": torch.tensor(list(self.seen), dtype=torch.int64),
+                "counts": torch.tensor(list(self.seen.values()), dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = dict(zip(state["hashes"].tolist(), state["counts"].tolist()))
+

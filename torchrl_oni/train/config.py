@@ -60,6 +60,7 @@ Example:
     ValueError: --lr must be at most 1, not 3
 """
 import dataclasses
+import math
 from dataclasses import dataclass, field, make_dataclass
 from typing import Literal, Optional, Tuple
 
@@ -305,6 +306,13 @@ RewardConfig = make_dataclass("RewardConfig", [
     ("reward_message", Literal["acted", "next"], setting("acted", "which observation's message pays: acted (ONI: "
                                                                   "the one the action was taken on) or next")),
     ("count_exponent", float, setting(3.0, "beta in R(m) · msg_count^-beta")),
+    ("count_scope", Literal["episode", "run"], setting(
+        "episode", "what msg_count counts: the message's sightings in the episode (ONI) or in the whole run so far "
+                   "(not in ONI: a message stops paying for good instead of after each reset)")),
+    ("death_penalty", float, setting(0.0, "subtracted from the reward on the step the agent dies (not in ONI; 0: "
+                                          "off): against intrinsic rewards that pay for habits that kill")),
+    ("survival_bonus", float, setting(0.0, "added to the reward on every step the agent does not die (not in "
+                                           "ONI; 0: off)")),
     *_reward_sections(),
 ])
 RewardConfig.__module__ = __name__  # pickling and get_type_hints look the class up here
@@ -412,6 +420,8 @@ class TrainConfig:
             (self.log.log_every >= 1 and self.log.stats_window >= 1, "--log-every and --stats-window must be at least 1"),
             (reward.extrinsic_clip >= 0, "--extrinsic-clip must be non-negative (0: no clip)"),
             (reward.count_exponent >= 0, "--count-exponent must be non-negative"),
+            (0 <= reward.death_penalty < math.inf and 0 <= reward.survival_bonus < math.inf,
+             "--death-penalty and --survival-bonus must be non-negative numbers"),
             (min(rm.steps_per_labels, rm.switch_at, rm.steps_per_iteration) >= 0,
              "reward-model schedule settings must be non-negative"),
             (rm.time_fraction is None or rm.time_fraction >= 0, "--rm-time-fraction must be non-negative (0: no cap)"),

@@ -54,7 +54,9 @@ import torch
 from tensordict import TensorDictBase
 
 from ..atomic import atomic_write
-from ..captions import CAPTION_HASH_KEY, INTRINSIC_REWARD_KEY, MESSAGE_KEY, MESSAGE_LEN, decode_message
+from ..captions import (CAPTION_HASH_KEY, INTRINSIC_REWARD_KEY, MESSAGE_KEY, MESSAGE_LEN, RUN_COUNT_KEY,
+                        decode_message)
+from ..rewards.scaling import RunMessageCounts
 from ..reward_hacking import REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
 from ..run_folder import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
 from .background_rounds import BackgroundRounds
@@ -171,6 +173,11 @@ class IntrinsicRewardHook:
         self.transform = None if self.reward is None else IntrinsicRewardTransform(
             self.reward, message=cfg.reward.reward_message, beta=cfg.reward.count_exponent,
             normalize=self.parts.normalize, threshold=self.parts.threshold)
+        # --count-scope run: the decay reads the run's sightings (written into the batch) for msg_count
+        self.run_counts = None
+        if self.transform is not None and cfg.reward.count_scope == "run":
+            self.run_counts = RunMessageCounts()
+            self.transform.set_keys(msg_count=RUN_COUNT_KEY)
 
     @property
     def rune(self):
@@ -194,6 +201,8 @@ class IntrinsicRewardHook:
             out = self.parts.on_batch(batch)
             batch = batch if out is None else out
         if self.transform is not None:
+            if self.run_counts is not None:
+                self._write_run_counts(batch)
             batch = self.transform(batch)
             self._window.add(batch, self.transform)
         self.hacking.add(batch, self.transform)  # the reward alone, before RUNE's bonus joins it
@@ -201,6 +210,15 @@ class IntrinsicRewardHook:
             # the type's own step (RUNE's bonus joins the intrinsic reward before the trainer mixes the rewards)
             batch = self.after_reward(batch)
         return batch
+
+    def _write_run_counts(self, batch: TensorDictBase) -> None:
+        """Writes :data:`RUN_COUNT_KEY` beside the paying message: its sightings in the run so far,
+        counted in time order (a batch is ``[games, time]``: all games' step t before step t + 1)."""
+        source = batch if self.cfg.reward.reward_message == "acted" else batch.get("next")
+        hashes = source.get(self.transform.hash_key)
+        time_major = hashes.transpose(0, 1) if batch.batch_dims >= 2 else hashes
+        counts = self.run_counts.count(time_major.contiguous())
+        source.set(RUN_COUNT_KEY, (counts.transpose(0, 1) if batch.batch_dims >= 2 else counts).to(hashes.device))
 
     def after_update(self, trainer=None) -> None:
         if self.after_reward is not None:
@@ -292,6 +310,8 @@ class IntrinsicRewardHook:
         if self.after_reward is not None:
             objects[self.after_reward.name] = self.after_reward  # RUNE: the bonus's decay
         objects["hacking"] = self.hacking.tally  # the diagnostics' counts go on after --resume
+        if self.run_counts is not None:
+            objects["run_counts"] = self.run_counts  # --count-scope run: the decay goes on after --resume
         return objects
 
     def state_dict(self) -> dict:

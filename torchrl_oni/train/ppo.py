@@ -391,12 +391,22 @@ class Trainer:
     # ------------------------------------------------------------------ rewards
     def shape_reward(self, batch: TensorDictBase) -> TensorDictBase:
         """Writes the reward PPO optimises; keeps the env's own in ``extrinsic_reward``."""
+        from ..rewards.scaling import survival_terms
         from ..transforms import CombineRewards
 
         cfg = self.cfg
         mix = CombineRewards(cfg.reward.extrinsic_coeff, cfg.reward.intrinsic_coeff, cfg.reward.extrinsic_clip or None,
                              streams=self.value_heads == 2)
-        return mix(batch)
+        batch = mix(batch)
+        if cfg.reward.death_penalty or cfg.reward.survival_bonus:
+            nxt = batch.get("next")
+            reward = nxt.get("reward")
+            terms = survival_terms(nxt.get(("episode", "end_status")).reshape(reward.shape),
+                                   cfg.reward.death_penalty, cfg.reward.survival_bonus).to(reward.dtype)
+            nxt.set("reward", reward + terms)
+            if self.value_heads == 2:  # the game's stream: staying alive is about the game, not the captions
+                nxt.set("reward_ext", nxt.get("reward_ext") + terms)
+        return batch
 
     # ------------------------------------------------------------------ learning
     def _ppo_update(self, batch: TensorDictBase) -> Dict[str, float]:
