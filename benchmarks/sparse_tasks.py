@@ -15,6 +15,11 @@ run is then evaluated with ``oni-eval`` (``python -m torchrl_oni.evaluate``), wh
    ``--stats-window`` episodes that ``metrics.csv`` logs) at ``--budgets`` fractions of ``--frames``
    (the logged row nearest to it, within one logging interval), with frames and wall time;
 3. one row per run (status, frames, training and evaluation wall time),
+4. the paired table: every setting against ``--baseline`` (default ``none``) on the seeds both
+   have done — per seed the difference in success (the two runs share the training seed), its
+   mean with a Student-t 95 % CI and whether that excludes 0, the exact sign-flip p and the
+   seeds won; then the evaluation episodes paired by game (``oni-eval`` plays episode k of every
+   run from the same game seed when their evaluation flags agree) with McNemar's exact p,
 
 and, as its last line, one JSON object with all of it. ``ROOT/<task>/curves.png`` shows the
 learning curves of each setting as the mean over seeds with a shaded 95 % band (``oni-plot
@@ -31,7 +36,10 @@ SIGTERM or SIGUSR1 are passed to the running ``oni-train`` processes, which save
 
 Configuration. There is no sweep syntax: the grid is a list of flag sets. ``--extra "FLAGS"``
 goes to every ``oni-train`` command; ``--extra-for KEY "FLAGS"`` only to runs of one reward type
-(``retrieval``), of every intrinsic reward (``intrinsic``), of ``none`` or of ``random``. The flags
+(``retrieval``), of every intrinsic reward (``intrinsic``), of ``none`` or of ``random``.
+``--variant NAME "FLAGS"`` runs every intrinsic setting again with FLAGS added, as the setting
+``<setting>+NAME`` (an option measured against the default: ``--variant dp1 "--death-penalty 1"
+--baseline retrieval-scripted``). The flags
 the grid sets (``--task``, ``--intrinsic-reward``, ``--annotator``, ``--seed``, ``--frames``,
 ``--logdir``, ``--resume``) may not appear in them. ``--eval-extra`` goes to ``oni-eval``.
 
@@ -67,6 +75,7 @@ import io
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -112,7 +121,6 @@ EVAL_METRICS = (
 # of them played episode k from the same game seed, so their episodes pair one to one
 EVAL_GAMES = ("task", "seed", "episodes", "workers", "envs_per_worker", "max_episode_steps")
 
-BASELINE = "none"  # the setting the paired analysis compares every other setting against
 
 
 class GridError(ValueError):
@@ -137,10 +145,12 @@ class Run:
     detail: str = ""
     frames: Optional[int] = None
     outcome: Optional[str] = None  # this invocation: done, failed, interrupted, waiting, not started
+    variant: Optional[str] = None  # --variant NAME: the intrinsic setting run again with NAME's flags
 
     @property
     def setting(self) -> str:
-        return self.reward if self.annotator is None else f"{self.reward}-{self.annotator}"
+        base = self.reward if self.annotator is None else f"{self.reward}-{self.annotator}"
+        return base if self.variant is None else f"{base}+{self.variant}"
 
     @property
     def name(self) -> str:
@@ -206,25 +216,35 @@ def build_grid(args) -> List[Run]:
                 out += tokens
         return out
 
+    variants: List[tuple] = []
+    for name, flags in args.variant:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_.]*", name) or name in [v for v, _ in variants]:
+            raise GridError(f"--variant: {name!r} must be a new name of lower-case letters, digits, '_' and '.'")
+        tokens = _split(flags, f"--variant {name}")
+        _check_not_owned(tokens, owned, f"--variant {name}")
+        variants.append((name, tokens))
     intrinsic = [r for r in dict.fromkeys(args.rewards) if r != NONE]
-    settings = [(r, a) for r in intrinsic for a in dict.fromkeys(args.annotators)]
+    # (reward, annotator, variant name, its flags): every intrinsic setting, then each with every variant
+    settings = [(r, a, None, []) for r in intrinsic for a in dict.fromkeys(args.annotators)]
+    settings += [(r, a, name, tokens) for r, a, _, _ in list(settings) for name, tokens in variants]
     if NONE in args.rewards:
-        settings.append((NONE, None))
+        settings.append((NONE, None, None, []))
     if args.random:
-        settings.append((RANDOM, None))
+        settings.append((RANDOM, None, None, []))
     root = Path(args.root)
     runs: List[Run] = []
     for task in dict.fromkeys(args.tasks):
         for seed in dict.fromkeys(args.seeds):
             source = None
-            for reward, annotator in settings:
-                setting = reward if annotator is None else f"{reward}-{annotator}"
-                logdir = root / task / setting / f"seed{seed}"
-                argv = flags_for(reward) + ["--task", task, "--intrinsic-reward", NONE if reward == RANDOM else reward]
+            for reward, annotator, variant, variant_flags in settings:
+                run = Run(task, reward, annotator, seed, Path(), [], 0 if reward == RANDOM else args.frames,
+                          variant=variant)
+                run.logdir = logdir = root / task / run.setting / f"seed{seed}"
+                argv = flags_for(reward) + variant_flags
+                argv += ["--task", task, "--intrinsic-reward", NONE if reward == RANDOM else reward]
                 if annotator is not None:
                     argv += ["--annotator", annotator]
-                argv += ["--seed", str(seed), "--frames", str(args.frames), "--logdir", str(logdir)]
-                run = Run(task, reward, annotator, seed, logdir, argv, 0 if reward == RANDOM else args.frames)
+                run.train_args = argv + ["--seed", str(seed), "--frames", str(args.frames), "--logdir", str(logdir)]
                 if annotator is not None and source is None:
                     source = run  # the first intrinsic reward with the first annotator
                 elif annotator is None:
@@ -609,7 +629,7 @@ def aggregate(per_run: List[dict], args) -> List[dict]:
     return rows
 
 
-def paired(per_run: List[dict], baseline: str = BASELINE) -> List[dict]:
+def paired(per_run: List[dict], baseline: str = NONE) -> List[dict]:
     """Per task, every setting against ``baseline`` on the seeds both have done: each seed is a pair
     (the two runs share the training seed and, when their ``eval_games`` agree, the evaluation games).
 
@@ -762,6 +782,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-for", nargs=2, action="append", default=[], metavar=("KEY", "FLAGS"),
                    help="oni-train flags for the runs of one reward type, of every intrinsic reward "
                         "('intrinsic') or of 'random'; repeatable")
+    p.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "FLAGS"),
+                   help="every intrinsic setting again with these oni-train flags, as setting '<setting>+NAME' "
+                        "(e.g. --variant dp1 \"--death-penalty 1\"); repeatable")
+    p.add_argument("--baseline", default=NONE, metavar="SETTING",
+                   help="the setting the paired analysis compares every other one with (default: %(default)s; "
+                        "e.g. retrieval-scripted to compare its variants with it)")
     p.add_argument("--episodes", type=int, default=64, help="oni-eval episodes per run (default: %(default)s)")
     p.add_argument("--eval-extra", default="", metavar="FLAGS", help="oni-eval flags, e.g. \"--workers 2 --greedy\"")
     p.add_argument("--budgets", nargs="+", type=float, default=[0.25, 0.5, 1.0],
@@ -777,7 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # options whose values are oni-train/oni-eval flags: (option, index of the flags among its values)
-FLAG_VALUED = {"--extra": 0, "--eval-extra": 0, "--extra-for": 1}
+FLAG_VALUED = {"--extra": 0, "--eval-extra": 0, "--extra-for": 1, "--variant": 1}
 
 
 def protect_flag_values(argv: Sequence[str]) -> List[str]:
@@ -820,6 +846,9 @@ def plan(args):
     check_args(args)
     eval_args = parse_eval_flags(args)
     runs = build_grid(args)
+    settings = list(dict.fromkeys(r.setting for r in runs))
+    if args.baseline != NONE and args.baseline not in settings:
+        raise GridError(f"--baseline {args.baseline!r} is not a setting of this grid ({', '.join(settings)})")
     for run in runs:
         run.config = parse_train_flags(run)
         update_status(run, eval_args)
@@ -901,7 +930,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failed = [r for r in runs if r.outcome == "failed"]
     per_run = [collect_run(r, args) for r in runs]
     rows = aggregate(per_run, args)
-    paired_rows = paired(per_run)
+    paired_rows = paired(per_run, args.baseline)
     figures = make_figures(runs, args) if args.plot else []
     print("\n".join([format_tables(rows, per_run, args)] + format_paired(paired_rows)))
     summary = {
@@ -909,7 +938,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "root": str(args.root),
         "grid": {"tasks": args.tasks, "rewards": args.rewards, "annotators": args.annotators, "seeds": args.seeds,
                  "random": args.random, "frames": args.frames, "episodes": args.episodes, "extra": args.extra,
-                 "extra_for": [list(x) for x in args.extra_for], "eval_extra": args.eval_extra},
+                 "extra_for": [list(x) for x in args.extra_for], "variants": [list(x) for x in args.variant],
+                 "eval_extra": args.eval_extra, "baseline": args.baseline},
         "budgets": args.budgets,
         "rows": rows,
         "paired": paired_rows,

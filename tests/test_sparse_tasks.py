@@ -146,6 +146,35 @@ def test_dry_run_lists_every_run_and_its_commands_and_creates_nothing(grid, tmp_
     assert not root.exists()
 
 
+def test_variants_run_every_intrinsic_setting_again_with_their_flags(grid, tmp_path, capsys):
+    root = tmp_path / "plan"
+    argv = ["--root", str(root), "--rewards", "retrieval", "none", "--annotators", "scripted", "--seeds", "0",
+            "--frames", "3M", "--extra", "--workers 2", "--variant", "dp1", "--death-penalty 1",
+            "--variant", "run", "--count-scope run --count-exponent 0.5", "--baseline", "retrieval-scripted",
+            "--dry-run"]
+    assert grid.main(argv) == 0
+    listed, lines = _json_line(capsys.readouterr().out)
+    assert [r["run"] for r in listed["runs"]] == [
+        "staircase/retrieval-scripted/seed0", "staircase/retrieval-scripted+dp1/seed0",
+        "staircase/retrieval-scripted+run/seed0", "staircase/none/seed0"]
+    by_run = {line.split()[0]: line for line in lines[1:]}
+    dp1 = by_run["staircase/retrieval-scripted+dp1/seed0"]
+    assert "--workers 2 --death-penalty 1 --task staircase" in dp1
+    assert f"--logdir {root}/staircase/retrieval-scripted+dp1/seed0" in dp1
+    assert "--count-scope run --count-exponent 0.5" in by_run["staircase/retrieval-scripted+run/seed0"]
+    base = by_run["staircase/retrieval-scripted/seed0"]
+    assert "--death-penalty" not in base and "--count-scope" not in base
+    # none is judged by the labels of the setting without a variant
+    assert f"--caption-store {root}/staircase/retrieval-scripted/seed0/captions.pt" in by_run["staircase/none/seed0"]
+    # the paired analysis compares the variants with the chosen baseline
+    per_run = [_evaluated(s, 0, e) for s, e in (("retrieval-scripted", "1000"), ("retrieval-scripted+dp1", "1100"),
+                                                ("none", "0000"))]
+    rows = {r["setting"]: r for r in grid.paired(per_run, "retrieval-scripted")}
+    assert set(rows) == {"retrieval-scripted+dp1", "none"}
+    assert rows["retrieval-scripted+dp1"]["success"]["mean"] == pytest.approx(0.25)
+    assert rows["none"]["success"]["mean"] == pytest.approx(-0.25)
+
+
 @pytest.mark.parametrize(
     "extra, expected",
     [
@@ -162,6 +191,11 @@ def test_dry_run_lists_every_run_and_its_commands_and_creates_nothing(grid, tmp_
         (["--budgets", "0"], "--budgets are fractions"),
         (["--parallel", "0"], "--parallel must be at least 1"),
         (["--frames", "lots"], "--frames"),
+        (["--variant", "Bad Name", "--lr 1"], "--variant: 'Bad Name' must be a new name"),
+        (["--variant", "a", "--lr 1", "--variant", "a", "--lr 2"], "--variant: 'a' must be a new name"),
+        (["--variant", "a", "--task score"], "--variant a may not set --task"),
+        (["--variant", "dp", "--death-penalty -1"], "--death-penalty and --survival-bonus must be non-negative"),
+        (["--baseline", "retrieval-scripted"], "--baseline 'retrieval-scripted' is not a setting of this grid"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(grid, tmp_path, capsys, extra, expected):
