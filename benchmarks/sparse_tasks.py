@@ -122,7 +122,6 @@ EVAL_METRICS = (
 EVAL_GAMES = ("task", "seed", "episodes", "workers", "envs_per_worker", "max_episode_steps")
 
 
-
 class GridError(ValueError):
     """Bad input: a flag, an oni-train/oni-eval flag set, a run folder of another configuration."""
 

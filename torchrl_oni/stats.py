@@ -86,7 +86,7 @@ def mean_ci(values: Sequence[float]) -> dict:
     return {"mean": mean, "std": std, "ci95": ci, "min": float(x.min()), "max": float(x.max()), "n": n}
 
 
-def sign_flip_p(differences: Sequence[float], exact_up_to: int = 20, draws: int = 200_000) -> float:
+def sign_flip_p(differences: Sequence[float], exact_up_to: int = 16, draws: int = 200_000) -> float:
     """Two-sided p of a paired randomisation test: the share of the ``2^n`` sign patterns of the
     differences whose mean is at least as far from 0 as the observed one (each pair's two arms
     exchangeable under "no difference"). Exact up to ``exact_up_to`` pairs, else ``draws`` random

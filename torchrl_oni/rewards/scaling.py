@@ -216,4 +216,3 @@ class RunMessageCounts:
 
     def load_state_dict(self, state: dict) -> None:
         self.seen = dict(zip(state["hashes"].tolist(), state["counts"].tolist()))
-
