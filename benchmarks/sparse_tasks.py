@@ -20,6 +20,8 @@ run is then evaluated with ``oni-eval`` (``python -m torchrl_oni.evaluate``), wh
    mean with a Student-t 95 % CI and whether that excludes 0, the exact sign-flip p and the
    seeds won; then the evaluation episodes paired by game (``oni-eval`` plays episode k of every
    run from the same game seed when their evaluation flags agree) with McNemar's exact p,
+5. how the evaluation episodes ended, pooled over the seeds (oni-eval's death causes), and how
+   many runs' evaluations printed an ``!!`` line (reward hacking, a self-inflicted death cause),
 
 and, as its last line, one JSON object with all of it. ``ROOT/<task>/curves.png`` shows the
 learning curves of each setting as the mean over seeds with a shaded 95 % band (``oni-plot
@@ -584,6 +586,11 @@ def collect_run(run: Run, args) -> dict:
         # "0110…": episode k's success, k in oni-eval's order; two runs with equal eval_games played the same games
         out["episode_success"] = "".join("1" if e.get("success") else "0" for e in episodes)
         out["eval_games"] = {key: result.get(key) for key in EVAL_GAMES}
+        # the diagnostics of oni-eval: how episodes ended, and its `!!` lines (reward hacking, death causes)
+        out["death_causes"] = dict(result.get("death_causes") or {})
+        out["episodes"] = _dig(result, ("success_rate", "n"))
+        out["flags"] = [*(_dig(result, ("reward_hacking", "warnings")) or []),
+                        *(_dig(result, ("death_causes_check", "warnings")) or [])]
     metrics = run.logdir / METRICS_NAME
     if metrics.exists():
         try:
@@ -600,6 +607,15 @@ def collect_run(run: Run, args) -> dict:
 
 def budget_key(fraction: float) -> str:
     return f"{fraction:g}"
+
+
+def _pooled(counts) -> Dict[str, int]:
+    """The sum of ``{cause: count}`` dicts, largest first."""
+    total: Dict[str, int] = {}
+    for c in counts:
+        for cause, n in c.items():
+            total[cause] = total.get(cause, 0) + int(n)
+    return dict(sorted(total.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def aggregate(per_run: List[dict], args) -> List[dict]:
@@ -623,7 +639,11 @@ def aggregate(per_run: List[dict], args) -> List[dict]:
                              for b in args.budgets} for m in args.curve_metrics},
                "frames": stat(r["frames"] for r in done),
                "train_time_s": stat(r["train_time_s"] for r in done),
-               "eval_time_s": stat(r["eval_time_s"] for r in done)}
+               "eval_time_s": stat(r["eval_time_s"] for r in done),
+               # pooled over the seeds: episodes, deaths by cause, runs with an `!!` line of oni-eval
+               "episodes": sum(r.get("episodes") or 0 for r in done),
+               "death_causes": _pooled(r.get("death_causes") or {} for r in done),
+               "flagged_runs": sum(bool(r.get("flags")) for r in done)}
         rows.append(row)
     return rows
 
@@ -732,6 +752,17 @@ def format_tables(rows: List[dict], per_run: List[dict], args) -> str:
         train = "-" if r["train_time_s"]["n"] == 0 else f"{r['train_time_s']['mean']:,.0f}"
         ev = "-" if r["eval_time_s"]["n"] == 0 else f"{r['eval_time_s']['mean']:,.1f}"
         lines.append(f"{r['task'] + ' / ' + r['setting']:<{width}}{cells}{frames:>14}{train:>14}{ev:>10}")
+    causes = list(_pooled(r["death_causes"] for r in rows))[:4]
+    lines += ["", "How the evaluation episodes ended, pooled over the seeds (oni-eval's death causes), and the "
+                  "runs whose evaluation printed an `!!` line (reward hacking, a self-inflicted death cause)",
+              f"{'task / setting':<{width}}{'episodes':>10}{'deaths':>8}" + "".join(f"{c:>11}" for c in causes)
+              + f"{'other':>8}{'flagged runs':>14}"]
+    for r in rows:
+        deaths = sum(r["death_causes"].values())
+        shown = "".join(f"{r['death_causes'].get(c, 0):>11}" for c in causes)
+        other = deaths - sum(r["death_causes"].get(c, 0) for c in causes)
+        lines.append(f"{r['task'] + ' / ' + r['setting']:<{width}}{r['episodes']:>10}{deaths:>8}{shown}{other:>8}"
+                     f"{str(r['flagged_runs']) + '/' + str(len(r['seeds'])):>14}")
     lines += ["", "Runs", f"{'run':<{width + 8}}{'status':<10}{'frames':>12}{'train s':>12}{'eval s':>10}{'success':>10}"]
     for r in per_run:
         name = f"{r['task']}/{r['setting']}/seed{r['seed']}"

@@ -89,6 +89,10 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
         mine = sum(e["success"] for e in evals[setting]["per_episode"])
         assert row["episodes"]["both"] + row["episodes"]["only_setting"] == mine
     assert any(line.startswith("Paired against the baseline") for line in table)
+    for setting, row in rows.items():  # oni-eval's diagnostics, pooled
+        assert row["episodes"] == 4 and sum(row["death_causes"].values()) == evals[setting]["end_status"].get("death", 0)
+        assert 0 <= row["flagged_runs"] <= 1
+    assert any(line.startswith("How the evaluation episodes ended") for line in table)
 
     # the same command again: everything is done, nothing is launched, nothing rewritten
     before = _snapshot(root)
@@ -269,6 +273,7 @@ def test_aggregate_is_mean_and_student_t_ci_over_the_seeds_that_are_done(grid):
     assert rows["none"]["eval"]["return"]["ci95"] == pytest.approx(ci, rel=1e-4)
     text = grid.format_tables(list(rows.values()), per_run, Args)
     assert "success@50%" in text and "staircase / retrieval-llm" in text
+    assert rows["retrieval-llm"]["episodes"] == 0 and rows["retrieval-llm"]["death_causes"] == {}  # no eval.json
     line = next(line for line in text.splitlines() if line.startswith("staircase / retrieval-llm") and "/4" in line)
     half = T975[2] * 0.25 / math.sqrt(3)  # success: mean 0.5, standard deviation 0.25 over 3 seeds
     assert f"0.500 ±{half:.3f}" in line, line
@@ -305,6 +310,31 @@ def test_paired_analysis_pairs_seeds_and_games_and_matches_a_reference(grid):
                                "p": pytest.approx(scipy_stats.binomtest(5, 6).pvalue)}
     text = "\n".join(grid.format_paired([row]))
     assert "staircase / retrieval-llm - none" in text and "3/5/1" in text
+
+
+def test_death_causes_and_flags_are_pooled_over_the_seeds(grid):
+    class Args:
+        budgets = [1.0]
+        curve_metrics = ["episode/success"]
+        episodes, frames = 4, 4096
+
+    per_run = []
+    for k, (causes, flags) in enumerate([({"choking": 3, "died": 1}, ["choking ends 3 of 4 episodes"]),
+                                         ({"died": 2, "starving": 1}, []),
+                                         ({"choking": 1}, ["a paid caption precedes deaths"])]):
+        run = _evaluated("retrieval-llm", k, "1000")
+        run.update(death_causes=causes, flags=flags, episodes=4)
+        per_run.append(run)
+    skipped = _per_run("staircase", "retrieval-llm", 3, "train", None, None, 0.0)  # not done: not pooled
+    skipped.update(death_causes={"choking": 50}, flags=["x"], episodes=64)
+    per_run.append(skipped)
+    [row] = grid.aggregate(per_run, Args)
+    assert row["episodes"] == 12 and row["flagged_runs"] == 2
+    assert row["death_causes"] == {"choking": 4, "died": 3, "starving": 1}
+    assert list(row["death_causes"]) == ["choking", "died", "starving"]  # largest first
+    text = grid.format_tables([row], per_run, Args)
+    line = next(l for l in text.splitlines() if l.startswith("staircase / retrieval-llm") and l.rstrip().endswith("2/3"))
+    assert line.split()[3:9] == ["12", "8", "4", "3", "1", "0"], line
 
 
 def test_paired_analysis_does_not_pair_episodes_of_different_games(grid):
