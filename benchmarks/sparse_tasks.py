@@ -14,14 +14,14 @@ run is then evaluated with ``oni-eval`` (``python -m torchrl_oni.evaluate``), wh
 2. the training-curve table: ``--curve-metrics`` (default the success rate over the last
    ``--stats-window`` episodes that ``metrics.csv`` logs) at ``--budgets`` fractions of ``--frames``
    (the logged row nearest to it, within one logging interval), with frames and wall time;
-3. one row per run (status, frames, training and evaluation wall time),
-4. the paired table: every setting against ``--baseline`` (default ``none``) on the seeds both
+3. how the evaluation episodes ended, pooled over the seeds (oni-eval's death causes), and how
+   many runs' evaluations printed an ``!!`` line (reward hacking, a self-inflicted death cause);
+4. one row per run (status, frames, training and evaluation wall time),
+5. the paired table: every setting against ``--baseline`` (default ``none``) on the seeds both
    have done — per seed the difference in success (the two runs share the training seed), its
    mean with a Student-t 95 % CI and whether that excludes 0, the exact sign-flip p and the
    seeds won; then the evaluation episodes paired by game (``oni-eval`` plays episode k of every
    run from the same game seed when their evaluation flags agree) with McNemar's exact p,
-5. how the evaluation episodes ended, pooled over the seeds (oni-eval's death causes), and how
-   many runs' evaluations printed an ``!!`` line (reward hacking, a self-inflicted death cause),
 
 and, as its last line, one JSON object with all of it. ``ROOT/<task>/curves.png`` shows the
 learning curves of each setting as the mean over seeds with a shaded 95 % band (``oni-plot
