@@ -173,6 +173,8 @@ def test_dead_llm_url_is_one_error_line_and_exit_2(tmp_path):
     (["--intrinsic-reward", "motif", "--reward-model", "/nonexistent/motif.pt"], "no reward checkpoint"),
     (["--intrinsic-reward", "retrieval", "--llm-url", "http://127.0.0.1:1/v1"], "cannot reach"),
     (["--intrinsic-reward", "bow", "--goal", "zero-knowledge"], "goal"),
+    (["--count-scope", "run"], "--count-scope run changes the intrinsic reward's decay: it needs an --intrinsic"),
+    (["--intrinsic-reward", "ellm", "--annotator", "scripted", "--count-scope", "run"], "--ellm-count-exponent"),
 ])
 def test_bad_intrinsic_settings_exit_2(tmp_path, capsys, flags, words):
     with pytest.raises(SystemExit) as err:

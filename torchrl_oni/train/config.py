@@ -420,6 +420,8 @@ class TrainConfig:
             (self.log.log_every >= 1 and self.log.stats_window >= 1, "--log-every and --stats-window must be at least 1"),
             (reward.extrinsic_clip >= 0, "--extrinsic-clip must be non-negative (0: no clip)"),
             (reward.count_exponent >= 0, "--count-exponent must be non-negative"),
+            (reward.count_scope == "episode" or reward.intrinsic_reward != "none",
+             "--count-scope run changes the intrinsic reward's decay: it needs an --intrinsic-reward"),
             (0 <= reward.death_penalty < math.inf and 0 <= reward.survival_bonus < math.inf,
              "--death-penalty and --survival-bonus must be non-negative numbers"),
             (min(rm.steps_per_labels, rm.switch_at, rm.steps_per_iteration) >= 0,

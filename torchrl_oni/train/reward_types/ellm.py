@@ -43,6 +43,9 @@ def _check(cfg) -> None:
         raise ValueError(f"--ellm-goal-table-dir {s.goal_table_dir}: no such directory")
     if s.goals_per_state < 1:
         raise ValueError("--ellm-goals-per-state must be at least 1")
+    if cfg.reward.count_scope != "episode":
+        raise ValueError("--count-scope run decays rewards paid per caption; ELLM pays per goal "
+                         "(its decay: --ellm-count-exponent)")
     if cfg.annotation.annotator not in ("llm", "scripted"):
         raise ValueError("--intrinsic-reward ellm asks an LLM (--annotator llm) or rules (--annotator scripted) "
                          "for goals")
