@@ -81,7 +81,8 @@ def _reference_update(actor, critic, batch, ppo: PPOConfig, recurrent=False, val
     return batch, {f"train/{k}": float(np.mean(v)) for k, v in stats.items()}
 
 
-def _compare(arch="light", value_heads=1, minibatch_size=64, ppo_epochs=2, parts=1, weights_atol=1e-5):
+def _compare(arch="light", value_heads=1, minibatch_size=64, ppo_epochs=2, parts=1, weights_atol=1e-5,
+             packed=False):
     actor, critic, batch = _rollout(arch, value_heads=value_heads)
     recurrent = arch != "light"
     ppo = PPOConfig(minibatch_size=minibatch_size, ppo_epochs=ppo_epochs, lr=1e-3)
@@ -93,6 +94,14 @@ def _compare(arch="light", value_heads=1, minibatch_size=64, ppo_epochs=2, parts
     # only the keys the learner copies to its device (the reference has the whole rollout)
     mine = mine.select(*learner.batch_keys, strict=False)
     assert set(batch.keys(True, True)) - set(mine.keys(True, True)), "the rollout has keys the update never reads"
+    if packed:  # the trip to a device: only each row's first recurrent state crosses
+        trip = learner.pack_states(mine)
+        assert set(trip.keys()) == {"steps", "starts"} and trip.get("starts").shape == (mine.shape[0], 1)
+        mine = learner.unpack_states(trip)
+        state = mine.get("recurrent_state")
+        assert not state[:, 1:].any() and not mine.get(("next", "recurrent_state")).any()
+        torch.testing.assert_close(state[:, 0], batch.get("recurrent_state")[:, 0], rtol=0, atol=0)
+        assert batch.get("recurrent_state")[:, 1:].any()  # the rollout's own states were not zeros
     torch.testing.assert_close(mine["action"], batch["action"])
     torch.manual_seed(0)
     stats = learner.update(mine)
@@ -163,6 +172,28 @@ def test_recurrent_update_equals_torchrl_reference():
     # steps; losses and gradient norm are compared tightly, weights to within one step
     lr = 1e-3
     _compare("oni", minibatch_size=6 * 24, ppo_epochs=1, weights_atol=2 * lr)
+
+
+@pytest.mark.slow
+def test_recurrent_update_from_the_first_states_only_equals_torchrl_reference():
+    """What crosses to a GPU learner (PPOLearner.pack_states): each row's first GRU state; the
+    rest are zeros on arrival. The recurrent pass starts from step 0's state and from the stored
+    state at each reset, which is zeros: the update is the reference's."""
+    actor, critic, batch = _rollout("oni")
+    assert not batch.get("recurrent_state")[batch.get("is_init").squeeze(-1)].any()  # what the equality rests on
+    lr = 1e-3
+    _compare("oni", minibatch_size=6 * 24, ppo_epochs=1, weights_atol=2 * lr, packed=True)
+
+
+def test_only_gru_policies_pack_their_states():
+    ppo = PPOConfig(minibatch_size=64)
+    for arch, recurrent, expected in (("light", False, []), ("oni", True, ["recurrent_state"]),
+                                      ("oni-lstm", True, [])):
+        actor, critic, batch = _rollout(arch, games=2, steps=8)
+        learner = PPOLearner(actor, critic, ppo, torch.device("cpu"), recurrent=recurrent)
+        assert learner.start_state_keys == expected, arch
+        if not expected:
+            assert learner.pack_states(batch) is batch and learner.unpack_states(batch) is batch
 
 
 def test_stage_clock_covers_the_update():
