@@ -28,10 +28,7 @@ import torch
 from torchrl_oni.locks import OwnLockOnCopy
 
 __all__ = ["count_scale", "threshold", "combine_rewards", "reward_streams", "survival_terms", "RunningMeanStd",
-           "RunMessageCounts", "DEATH_STATUS"]
-
-DEATH_STATUS = 1
-"""NLE's ``StepStatus.DEATH``: the ``episode/end_status`` of the step on which the agent dies."""
+           "RunMessageCounts"]
 
 
 def count_scale(rewards: torch.Tensor, msg_count: torch.Tensor, beta: float = 3.0) -> torch.Tensor:
@@ -78,18 +75,17 @@ def reward_streams(
     return extrinsic_coeff * extrinsic, intrinsic_coeff * intrinsic
 
 
-def survival_terms(end_status: torch.Tensor, death_penalty: float = 0.0, survival_bonus: float = 0.0) -> torch.Tensor:
-    """The reward for staying alive: ``-death_penalty`` on the step the agent dies (``end_status``
-    is :data:`DEATH_STATUS`), ``+survival_bonus`` on every other step, as ``float32`` shaped like
-    ``end_status``. Neither is in ONI; both are options against intrinsic rewards that pay for
-    habits that kill (a meal that chokes), added after the coefficients.
+def survival_terms(died: torch.Tensor, death_penalty: float = 0.0, survival_bonus: float = 0.0) -> torch.Tensor:
+    """The reward for staying alive: ``-death_penalty`` on the steps where ``died`` (the agent
+    died on that step), ``+survival_bonus`` on every other step, as ``float32`` shaped like
+    ``died``. Neither is in ONI; both are options against intrinsic rewards that pay for habits
+    that kill (a meal that chokes), added after the coefficients.
 
     Example:
         >>> import torch
-        >>> survival_terms(torch.tensor([0, 1, 2, -1]), death_penalty=5.0, survival_bonus=0.01)
-        tensor([ 0.0100, -5.0000,  0.0100,  0.0100])
+        >>> survival_terms(torch.tensor([False, True, False]), death_penalty=5.0, survival_bonus=0.01)
+        tensor([ 0.0100, -5.0000,  0.0100])
     """
-    died = end_status == DEATH_STATUS
     return torch.where(died, torch.full((), -float(death_penalty)), torch.full((), float(survival_bonus)))
 
 

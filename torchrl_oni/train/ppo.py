@@ -40,6 +40,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ..envs.batched import EPISODE_STATS
+from ..envs.tasks import STATUS_ABORTED, STATUS_DEATH
 from ..atomic import remove_stale_temps
 from .backends import get_backend
 from .checkpoint import CHECKPOINT_NAME, TRAINER_KEYS, CheckpointError, load_checkpoint, save_checkpoint
@@ -401,8 +402,8 @@ class Trainer:
         if cfg.reward.death_penalty or cfg.reward.survival_bonus:
             nxt = batch.get("next")
             reward = nxt.get("reward")
-            terms = survival_terms(nxt.get(("episode", "end_status")).reshape(reward.shape),
-                                   cfg.reward.death_penalty, cfg.reward.survival_bonus).to(reward.dtype)
+            died = nxt.get(("episode", "end_status")).reshape(reward.shape) == STATUS_DEATH
+            terms = survival_terms(died, cfg.reward.death_penalty, cfg.reward.survival_bonus).to(reward.dtype)
             nxt.set("reward", reward + terms)
             if self.value_heads == 2:  # the game's stream: staying alive is about the game, not the captions
                 nxt.set("reward_ext", nxt.get("reward_ext") + terms)
@@ -418,8 +419,8 @@ class Trainer:
             return 0
         episode = batch.get(("next", "episode"))[done]
         stats = {k: episode.get(k).float().numpy() for k in EPISODE_STATS if k != "end_status"}
-        stats["death"] = (episode.get("end_status") == 1).float().numpy()
-        stats["timeout"] = (episode.get("end_status") == -1).float().numpy()
+        stats["death"] = (episode.get("end_status") == STATUS_DEATH).float().numpy()
+        stats["timeout"] = (episode.get("end_status") == STATUS_ABORTED).float().numpy()
         return self.episodes.add(stats)
 
     # ------------------------------------------------------------------ the loop
