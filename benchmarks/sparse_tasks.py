@@ -93,6 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torchrl_oni.cli_errors import OneLineArgumentParser, report  # noqa: E402
 from torchrl_oni.config_tree import parse_count  # noqa: E402
+from torchrl_oni.train.annotator_types import annotator_names  # noqa: E402  (no torch: --help stays fast)
 
 PROG = "sparse_tasks.py"
 TRAIN_MODULE, EVAL_MODULE = "torchrl_oni.train", "torchrl_oni.evaluate"
@@ -202,18 +203,20 @@ def build_grid(args) -> List[Run]:
     owned = _grid_flags()
     extra = _split(args.extra, "--extra")
     _check_not_owned(extra, owned, "--extra")
+    annotators = annotator_names()
     extra_for: Dict[str, List[str]] = {}
     for key, flags in args.extra_for:
-        if key not in known + (INTRINSIC, RANDOM):
-            raise GridError(f"--extra-for: unknown key {key!r} (a reward type, {INTRINSIC!r} or {RANDOM!r})")
+        if key not in known + annotators + (INTRINSIC, RANDOM):
+            raise GridError(f"--extra-for: unknown key {key!r} (a reward type, an annotator, {INTRINSIC!r} or "
+                            f"{RANDOM!r})")
         tokens = _split(flags, f"--extra-for {key}")
         _check_not_owned(tokens, owned, f"--extra-for {key}")
         extra_for.setdefault(key, []).extend(tokens)
 
-    def flags_for(reward: str) -> List[str]:
+    def flags_for(reward: str, annotator: Optional[str]) -> List[str]:
         out = ["--no-progress", *extra]
         for key, tokens in extra_for.items():
-            if key == reward or (key == INTRINSIC and reward not in (NONE, RANDOM)):
+            if key in (reward, annotator) or (key == INTRINSIC and reward not in (NONE, RANDOM)):
                 out += tokens
         return out
 
@@ -241,7 +244,7 @@ def build_grid(args) -> List[Run]:
                 run = Run(task, reward, annotator, seed, Path(), [], 0 if reward == RANDOM else args.frames,
                           variant=variant)
                 run.logdir = logdir = root / task / run.setting / f"seed{seed}"
-                argv = flags_for(reward) + variant_flags
+                argv = flags_for(reward, annotator) + variant_flags
                 argv += ["--task", task, "--intrinsic-reward", NONE if reward == RANDOM else reward]
                 if annotator is not None:
                     argv += ["--annotator", annotator]
@@ -801,7 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", nargs="+", default=["staircase"], help="oni-train --task values (default: staircase)")
     p.add_argument("--rewards", nargs="+", default=[NONE, "retrieval"],
                    help="intrinsic reward types, 'none' included (default: none retrieval)")
-    p.add_argument("--annotators", nargs="+", choices=("llm", "scripted"), default=["llm"],
+    p.add_argument("--annotators", nargs="+", choices=annotator_names(), default=["llm"],
                    help="annotators of the intrinsic runs (default: llm)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (default: 0 1 2)")
     p.add_argument("--frames", type=parse_count, default=parse_count("4M"), help="frames per run, e.g. 4M (default: 4M)")
@@ -810,8 +813,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", default="", metavar="FLAGS", help="oni-train flags for every run, e.g. "
                    "\"--extrinsic-coeff 10 --workers 2\"")
     p.add_argument("--extra-for", nargs=2, action="append", default=[], metavar=("KEY", "FLAGS"),
-                   help="oni-train flags for the runs of one reward type, of every intrinsic reward "
-                        "('intrinsic') or of 'random'; repeatable")
+                   help="oni-train flags for the runs of one reward type, of one annotator (e.g. store "
+                        "\"--labels-from L.pt\"), of every intrinsic reward ('intrinsic') or of 'random'; "
+                        "repeatable")
     p.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "FLAGS"),
                    help="every intrinsic setting again with these oni-train flags, as setting '<setting>+NAME' "
                         "(e.g. --variant dp1 \"--death-penalty 1\"); repeatable")

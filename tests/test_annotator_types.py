@@ -70,13 +70,13 @@ def test_make_annotator_takes_the_section_or_the_whole_tree(toy):
 
 
 def test_entries_say_what_the_built_in_annotators_are():
-    assert annotator_names()[:3] == ("llm", "scripted", "teacher")
+    assert annotator_names()[:4] == ("llm", "scripted", "teacher", "store")
     assert get_annotator("llm").llm and get_annotator("llm").judged
-    assert not any(get_annotator(n).llm or get_annotator(n).judged for n in ("scripted", "teacher"))
+    assert not any(get_annotator(n).llm or get_annotator(n).judged for n in ("scripted", "teacher", "store"))
 
 
 def test_unknown_annotators_and_duplicates_are_refused():
-    with pytest.raises(ValueError, match="unknown --annotator 'oracle' \\(llm, scripted or teacher\\)"):
+    with pytest.raises(ValueError, match="unknown --annotator 'oracle' \\(llm, scripted, teacher or store\\)"):
         get_annotator("oracle")
     with pytest.raises(ValueError, match="already registered"):
         annotator_types.register_annotator(get_annotator("scripted"))

@@ -33,6 +33,53 @@ def test_store_smoke():
     assert 50 < result["mb_per_million"] < 2000  # bytes per caption row, not a scaling slip
 
 
+def _store_of(path, captions, labels, seen):
+    """A caption store at ``path``: each caption seen ``seen[i]`` times, labelled ``labels[i]`` (None: not)."""
+    import numpy as np
+
+    from torchrl_oni.annotators.base import Provenance
+    from torchrl_oni.captions import encode_messages, hash_messages
+    from torchrl_oni.store import CaptionStore
+
+    store = CaptionStore()
+    messages = encode_messages(captions)
+    hashes = hash_messages(messages)
+    store.add(np.repeat(messages, seen, axis=0), np.repeat(hashes, seen))
+    done = [i for i, v in enumerate(labels) if v is not None]
+    store.set_labels(hashes[done], [labels[i] for i in done], Provenance("scripted", "rules", "v1"))
+    store.save(path)
+    return path
+
+
+def test_label_transfer_smoke_against_a_hand_count(tmp_path):
+    """Three stores; each held out against the others, every figure counted by hand."""
+    a = _store_of(tmp_path / "a.pt", ["kill", "wall", "gold"], [1.0, 0.0, None], [5, 3, 2])
+    b = _store_of(tmp_path / "b.pt", ["kill", "wall", "door"], [1.0, 1.0, 0.0], [1, 1, 8])
+    c = _store_of(tmp_path / "c.pt", ["gold", "newt"], [1.0, None], [4, 6])
+    result, table = bench_json([BENCH / "label_transfer.py", a, b, c, "--write", tmp_path / "all.pt"])
+    assert "Held out in turn" in table
+    rows = {os.path.basename(r["store"]): r for r in result["rows"]}
+    # a: kill (5) and wall (3) labelled by b, gold (2) by c: every step; its own labels cover 8 of 10
+    assert rows["a.pt"]["steps_covered"] == 1.0 and rows["a.pt"]["own_steps_covered"] == 0.8
+    assert rows["a.pt"]["agree"] == 0.5 and rows["a.pt"]["shared"] == 2  # b calls the wall progress
+    # b: kill and wall from a (first store first), door nowhere: 2 of 10 steps, 2 of 3 captions
+    assert rows["b.pt"]["steps_covered"] == 0.2 and rows["b.pt"]["captions_covered"] == pytest.approx(2 / 3)
+    # c: gold is labelled by nobody else (a left it unlabelled), newt unknown
+    assert rows["c.pt"]["steps_covered"] == 0.0 and rows["c.pt"]["agree"] is None
+    assert result["written_labelled"] == 4  # kill and wall (a), door (b), gold (c); newt has no label
+    from torchrl_oni.captions import encode_messages, hash_messages
+    from torchrl_oni.store import CaptionStore
+
+    union = CaptionStore.load(tmp_path / "all.pt")
+    labels, found = union.lookup(hash_messages(encode_messages(["kill", "wall", "gold", "door", "newt"])))
+    assert found.tolist() == [True, True, True, True, False]
+    assert labels.tolist()[:4] == [1.0, 0.0, 1.0, 0.0]  # a's wall label wins over b's
+    out = run_script([BENCH / "label_transfer.py", a])
+    assert out.returncode == 2 and "two or more" in out.stderr and "Traceback" not in out.stderr
+    out = run_script([BENCH / "label_transfer.py", a, tmp_path / "missing.pt"])
+    assert out.returncode == 2 and "missing.pt" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
 def test_store_budget_too_small_extrapolates():
     """A budget too short for 1M captions measures the smallest store and says so; ``add_ms``
     (adds while the store fills its last rows) is still a number."""

@@ -179,6 +179,21 @@ def test_variants_run_every_intrinsic_setting_again_with_their_flags(grid, tmp_p
     assert rows["none"]["success"]["mean"] == pytest.approx(-0.25)
 
 
+def test_extra_for_an_annotator_reaches_only_the_runs_it_labels(grid, tmp_path, capsys):
+    root = tmp_path / "plan"
+    argv = ["--root", str(root), "--rewards", "retrieval", "none", "--annotators", "scripted", "store",
+            "--extra-for", "store", "--labels-from llm_labels.pt", "--seeds", "0", "--frames", "3M", "--dry-run"]
+    assert grid.main(argv) == 0
+    listed, lines = _json_line(capsys.readouterr().out)
+    assert [r["run"] for r in listed["runs"]] == [
+        "staircase/retrieval-scripted/seed0", "staircase/retrieval-store/seed0", "staircase/none/seed0"]
+    by_run = {line.split()[0]: line for line in lines[1:]}
+    assert "--labels-from llm_labels.pt --task staircase --intrinsic-reward retrieval --annotator store" \
+        in by_run["staircase/retrieval-store/seed0"]
+    assert "--labels-from" not in by_run["staircase/retrieval-scripted/seed0"]
+    assert "--labels-from" not in by_run["staircase/none/seed0"]
+
+
 @pytest.mark.parametrize(
     "extra, expected",
     [

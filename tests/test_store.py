@@ -613,3 +613,83 @@ def test_a_new_store_says_nothing_at_info():
         torchrl_log.removeHandler(grab)
     assert [m for m in seen if "Initialized" in m] == []
     assert torchrl_log.level == level  # TorchRL's own setting is put back
+
+
+def _row_provenance(store, hashes):
+    """Each caption's provenance, as the store's table names it (None where it has none)."""
+    slots = store.slots(hashes).numpy()
+    pids = store.caption_rows(slots)["provenance"].tolist()
+    table = store.provenances
+    return [table[p] if p >= 0 else None for p in pids]
+
+
+def test_import_labels_matches_a_dict_reference():
+    from torchrl_oni.store import HUMAN, SKIPPED
+
+    msgs, hashes = _random_captions(60, seed=3)
+    llm_a, llm_b = Provenance("openai", "qwen", "short-v1"), Provenance("openai", "qwen", "tagged-v2")
+    source = CaptionStore()
+    source.add(msgs[:50], hashes[:50])
+    rng = np.random.default_rng(0)
+    source_labels = {}
+    for lo, hi, prov in ((0, 15, llm_a), (15, 30, llm_b)):
+        values = rng.integers(0, 2, hi - lo).astype(np.float32)
+        source.set_labels(hashes[lo:hi], values, prov, scores=values * 0.9)
+        source_labels.update({int(h): (float(v), prov) for h, v in zip(hashes[lo:hi], values)})
+    source.mark_failed(hashes[30:40], "skip")  # declined there: nothing to carry
+    # rows 40-49 of the source are unseen, 50-59 are in neither store before the import
+
+    target = CaptionStore()
+    target.add(np.concatenate([msgs[:5], msgs[20:25], msgs[45:55]]),
+               np.concatenate([hashes[:5], hashes[20:25], hashes[45:55]]))
+    target.add(msgs[:5], hashes[:5])  # seen twice
+    own = {int(h): (1.0 - source_labels[int(h)][0], Provenance("test", "rules", "v1")) for h in hashes[:4]}
+    target.set_labels(hashes[:4], [v for v, _ in own.values()], PROV)
+    target.set_labels(hashes[4:5], [0.5], Provenance(HUMAN, "ada"))
+    own[int(hashes[4])] = (0.5, Provenance(HUMAN, "ada"))
+    target.mark_failed(hashes[20:22], "skip")  # skipped here, labelled there: takes the label
+    seen_before = target.slots(hashes).numpy()
+    times_before = {int(h): int(target.caption_rows(np.array([s]))["times_seen"][0])
+                    for h, s in zip(hashes, seen_before) if s >= 0}
+    coverage_before = target.stats()["seen_coverage"]
+
+    counts = target.import_labels(source)
+
+    reference = dict(source_labels)
+    reference.update(own)  # what this store labelled stays
+    labels, found = target.lookup(hashes)
+    for h, label, ok in zip(hashes.tolist(), labels.tolist(), found.tolist()):
+        if h in reference:
+            assert ok and label == reference[h][0]
+        else:
+            assert not ok
+    assert _row_provenance(target, hashes[:30]) == [reference[int(h)][1] for h in hashes[:30]]
+    assert counts == {"imported": 25, "kept": 5,
+                      "disagreeing": 5,  # four opposite labels and a person's 0.5
+                      "positive": int(sum(source_labels[int(h)][0] for h in hashes[5:30]))}
+    # nothing counted as seen: old rows keep their counts, new ones have none, coverage is the run's
+    for h in hashes.tolist():
+        slot = int(target.slots(np.array([h]))[0])
+        if slot >= 0:
+            assert int(target.caption_rows(np.array([slot]))["times_seen"][0]) == times_before.get(h, 0)
+    assert target.stats()["seen_coverage"] >= coverage_before
+    assert int(target.caption_rows(target.slots(hashes[22:25]).numpy())["status"].eq(SKIPPED).sum()) == 0
+    # idempotent, and the result survives a save and load
+    assert target.import_labels(source)["imported"] == 0
+    scores = target.scores(hashes[5:15]).numpy()
+    assert np.allclose(scores, [source_labels[int(h)][0] * 0.9 for h in hashes[5:15]])
+    with pytest.raises(ValueError, match="own labels"):
+        target.import_labels(target)
+
+
+def test_import_labels_first_source_wins():
+    msgs, hashes = _random_captions(4, seed=5)
+    first, second = CaptionStore(), CaptionStore()
+    for store, value in ((first, 1.0), (second, 0.0)):
+        store.add(msgs, hashes)
+        store.set_labels(hashes, [value] * 4, PROV)
+    target = CaptionStore()
+    assert target.import_labels(first)["imported"] == 4
+    counts = target.import_labels(second)
+    assert counts["imported"] == 0 and counts["kept"] == 4 and counts["disagreeing"] == 4
+    assert target.lookup(hashes)[0].tolist() == [1.0] * 4

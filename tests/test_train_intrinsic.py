@@ -148,6 +148,39 @@ def test_caption_store_is_reused_so_labels_are_not_paid_twice(tmp_path):
     assert rows[-1]["annotation/labels_total"] < after  # some labels were not asked for again
 
 
+def test_a_run_on_stored_labels_pays_only_for_what_they_cover(tmp_path):
+    from torchrl_oni.captions import encode_messages, hash_messages
+    from torchrl_oni.store import LABELLED, SKIPPED
+
+    source_dir, _ = _run(tmp_path / "a", "--intrinsic-reward", "retrieval", "--annotator", "scripted")
+    source_path = os.path.join(source_dir, CAPTION_STORE_NAME)
+    source_bytes = open(source_path, "rb").read()
+    source = CaptionStore.load(source_path)
+    # another seed: other games, so some captions the source never saw
+    logdir, rows = _run(tmp_path / "b", "--intrinsic-reward", "retrieval", "--annotator", "store",
+                        "--labels-from", source_path, "--seed", "7")
+    assert open(source_path, "rb").read() == source_bytes  # the source is read, never written
+    store = CaptionStore.load(os.path.join(logdir, CAPTION_STORE_NAME))
+    rows_here = store.caption_rows(store.caption_slots())
+    hashes, status, seen = rows_here["caption_hash"], rows_here["status"], rows_here["times_seen"]
+    source_labels, source_found = source.lookup(hashes)
+    labelled = status == LABELLED
+    assert torch.equal(labelled, source_found)  # labelled here exactly where the source labels
+    assert torch.equal(store.lookup(hashes)[0][labelled], source_labels[labelled])
+    assert {p.annotator for p in store.provenances if p.annotator != "store"} == {"scripted"}
+    new_and_seen = (~source_found) & (seen > 0)
+    assert new_and_seen.any(), "the second run saw no caption of its own: the test proves nothing"
+    assert bool((status[new_and_seen] == SKIPPED).all())  # asked once, declined, never paid
+    assert rows[-1]["labels/skipped"] == int(new_and_seen.sum())
+    assert rows[-1]["annotation/labels_total"] == 0
+    # whatever was paid, the source approved (1,024 frames may meet none of its few approved captions)
+    paid = [l.rstrip("\n").split("\t")[3] for l in open(os.path.join(logdir, TOP_MESSAGES_NAME))
+            if not l.startswith("#")]
+    if paid:
+        labels, found = source.lookup(hash_messages(encode_messages(paid)))
+        assert bool(found.all()) and labels.tolist() == [1.0] * len(paid)
+
+
 def _dead_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,6 +208,11 @@ def test_dead_llm_url_is_one_error_line_and_exit_2(tmp_path):
     (["--intrinsic-reward", "bow", "--goal", "zero-knowledge"], "goal"),
     (["--count-scope", "run"], "--count-scope run changes the intrinsic reward's decay: it needs an --intrinsic"),
     (["--intrinsic-reward", "ellm", "--annotator", "scripted", "--count-scope", "run"], "--ellm-count-exponent"),
+    (["--intrinsic-reward", "retrieval", "--annotator", "store"], "--annotator store makes no labels of its own"),
+    (["--intrinsic-reward", "retrieval", "--annotator", "store", "--labels-from", "/nonexistent/captions.pt"],
+     "--labels-from: no caption store at /nonexistent/captions.pt"),
+    (["--labels-from", "/nonexistent/captions.pt"], "--labels-from needs an --intrinsic-reward labelled"),
+    (["--intrinsic-reward", "ranking", "--annotator", "store", "--labels-from", "x.pt"], "caption pairs"),
 ])
 def test_bad_intrinsic_settings_exit_2(tmp_path, capsys, flags, words):
     with pytest.raises(SystemExit) as err:

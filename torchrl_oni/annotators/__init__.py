@@ -8,6 +8,8 @@
 * :class:`ScriptedAnnotator`: hand-written NetHack rules, a no-LLM fallback and test tool.
 * :class:`SimulatedTeacher`: those rules with B-Pref noise (rationality, mistakes, skips), a
   stand-in for an imperfect labeller in label-efficiency experiments.
+* :class:`NoNewLabels`: declines every caption, for a run on labels made before it
+  (``--annotator store --labels-from STORE``).
 * :mod:`~torchrl_oni.annotators.prompts` / :mod:`~torchrl_oni.annotators.parsing`: the
   versioned prompt templates and the answer parsers.
 
@@ -36,6 +38,7 @@ from torchrl_oni.annotators.client import (
 )
 from torchrl_oni.annotators.openai import OpenAIAnnotator
 from torchrl_oni.annotators.scripted import ScriptedAnnotator
+from torchrl_oni.annotators.stored import NoNewLabels
 from torchrl_oni.annotators.teacher import SKIP_ERROR, SimulatedTeacher
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "Completion",
     "LLMClient",
     "Label",
+    "NoNewLabels",
     "OpenAIAnnotator",
     "Preference",
     "Provenance",

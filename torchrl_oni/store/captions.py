@@ -27,7 +27,7 @@ Two audiences use these methods: the trainer (:meth:`~_CaptionMethods.add`,
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -296,6 +296,67 @@ class _CaptionMethods:
             slots = np.flatnonzero(self._captions.cols["status"][:n] == GIVEN_UP)
             messages = np.array(self._captions.cols[MESSAGE_KEY][slots])
         return decode_messages(messages)
+
+    def import_labels(self, source) -> Dict[str, int]:
+        """Copies the labelled captions of another store ``source`` into this one: their labels,
+        scores and provenance (an LLM's label stays that LLM's), as captions not seen in this run.
+
+        A caption this store already labels keeps its own label, so importing is idempotent and,
+        with several sources, the first to label a caption wins; any other caption (new, waiting,
+        failed, given up or skipped) takes ``source``'s label. People's labels stay as they are.
+        The captions are not counted as seen: ``times_seen`` and the steps' coverage say what
+        this run saw.
+
+        Returns:
+            ``imported`` (captions labelled by the import), ``kept`` (already labelled here: left
+            alone), ``disagreeing`` (of those, how many ``source`` labels otherwise),
+            ``positive`` (imported labels ≥ 0.5).
+
+        Example:
+            >>> from torchrl_oni.annotators.base import Provenance
+            >>> from torchrl_oni.captions import encode_messages, hash_messages
+            >>> from torchrl_oni.store import CaptionStore
+            >>> messages = encode_messages(["You kill the newt!", "It's a wall."])
+            >>> hashes = hash_messages(messages)
+            >>> old = CaptionStore()
+            >>> _ = old.add(messages, hashes)
+            >>> _ = old.set_labels(hashes, [1.0, 0.0], Provenance("openai", "qwen", "short-v1"))
+            >>> new = CaptionStore()
+            >>> new.import_labels(old)
+            {'imported': 2, 'kept': 0, 'disagreeing': 0, 'positive': 1}
+            >>> new.lookup(hashes)[0].tolist(), new.stats()["seen_coverage"], new.provenances[0].model
+            ([1.0, 0.0], 0.0, 'qwen')
+            >>> new.import_labels(old)["kept"]
+            2
+        """
+        if source is self:
+            raise ValueError("import_labels: a store cannot import its own labels")
+        with source.lock:  # one consistent read of the other store
+            rows = source.caption_rows(source.caption_slots(status=LABELLED))
+            table = source.provenances
+        hashes = rows.get(CAPTION_HASH_KEY).numpy()
+        labels = rows.get("label").numpy()
+        scores = rows.get("score").numpy()
+        pids = rows.get("provenance").numpy()
+        unknown = Provenance("unknown")  # a labelled row always has one; kept safe for old files
+        provenance = [table[p] if 0 <= p < len(table) else unknown for p in pids.tolist()]
+        with self._lock:
+            slots_here = self._index.find(hashes)
+            known = slots_here >= 0
+            mine = np.zeros(len(hashes), dtype=bool)
+            mine[known] = self._captions.cols["status"][slots_here[known]] == LABELLED
+            disagreeing = int((self._captions.cols["label"][slots_here[mine]] != labels[mine]).sum())
+            new = np.flatnonzero(~known)
+            if len(new):
+                new_slots = self._captions.append(
+                    {MESSAGE_KEY: rows.get(MESSAGE_KEY).numpy()[new], CAPTION_HASH_KEY: hashes[new],
+                     "times_seen": np.zeros(len(new), dtype=np.int64)}, len(new))
+                self._index.insert(hashes[new], new_slots)
+            take = np.flatnonzero(~mine)
+            written = self.set_labels(hashes[take], labels[take], [provenance[i] for i in take], scores[take]).numpy()
+        imported = take[written]
+        return {"imported": int(len(imported)), "kept": int(mine.sum()), "disagreeing": disagreeing,
+                "positive": int((labels[imported] >= 0.5).sum())}
 
     def release(self, hashes: ArrayLike) -> int:
         """Sends the given pending captions back to unseen (work that was claimed but dropped)."""

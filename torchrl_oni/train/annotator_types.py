@@ -26,13 +26,13 @@ field              meaning
 Example:
     >>> from torchrl_oni.train.annotator_types import annotator_names, get_annotator
     >>> annotator_names()
-    ('llm', 'scripted', 'teacher')
+    ('llm', 'scripted', 'teacher', 'store')
     >>> get_annotator("llm").judged, get_annotator("scripted").judged
     (True, False)
     >>> get_annotator("oracle")
     Traceback (most recent call last):
     ...
-    ValueError: unknown --annotator 'oracle' (llm, scripted or teacher)
+    ValueError: unknown --annotator 'oracle' (llm, scripted, teacher or store)
 """
 from __future__ import annotations
 
@@ -155,6 +155,12 @@ def _build_teacher(ann, *, seed: int = 0):
     return SimulatedTeacher(ann.goal, beta=beta, epsilon=ann.teacher_epsilon, seed=seed), None
 
 
+def _build_store(ann, *, seed: int = 0):
+    from ..annotators import NoNewLabels
+
+    return NoNewLabels(), None
+
+
 register_annotator(AnnotatorType(
     "llm", "an LLM server: --llm-url (OpenAI-compatible, a pool of several) or the embedded CPU server",
     _build_llm, llm=True, judged=True,
@@ -163,4 +169,8 @@ register_annotator(AnnotatorType("scripted", "hand-written rules, no LLM", _buil
 register_annotator(AnnotatorType(
     "teacher", "the rules with B-Pref noise (--teacher-beta, --teacher-epsilon): label-efficiency experiments",
     _build_teacher,
+))
+register_annotator(AnnotatorType(
+    "store", "no new labels: only those of --labels-from (earlier runs' caption stores); captions they do not "
+    "cover are skipped and pay nothing", _build_store,
 ))

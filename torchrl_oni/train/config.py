@@ -156,8 +156,9 @@ class PPOConfig:
 @dataclass
 class AnnotationConfig:
     annotator: str = setting(
-        "llm", "who labels captions: llm (an LLM server), scripted (hand-written rules, no LLM) or teacher (the "
-        "rules with B-Pref noise: --teacher-beta, --teacher-epsilon; for label-efficiency experiments)",
+        "llm", "who labels captions: llm (an LLM server), scripted (hand-written rules, no LLM), teacher (the "
+        "rules with B-Pref noise: --teacher-beta, --teacher-epsilon; for label-efficiency experiments) or store "
+        "(no new labels: only those of --labels-from; captions they do not cover pay nothing)",
         choices=annotator_names)
     teacher_beta: Optional[float] = setting(None, "--annotator teacher: rationality, answers drawn as "
                                             "sigmoid(beta · (rule score − 0.5)) (none: the rules' answer)")
@@ -185,6 +186,10 @@ class AnnotationConfig:
                         choices=GOALS)
     caption_store: Optional[str] = setting(None, "caption/label store, loaded if it exists and saved at "
                                            "checkpoints (default: LOGDIR/captions.pt)", metavar="PATH")
+    labels_from: Tuple[str, ...] = setting(
+        (), "caption stores of earlier runs (their captions.pt) whose caption labels this run starts with, copied "
+        "into its store when it opens; a caption labelled by several takes the first one's label, one this run "
+        "labelled keeps its own", default_factory=tuple, metavar="STORE")
     label_budget: Optional[float] = setting(None, "labels (captions, or pairs for ranking) that may be bought per "
                                             "million frames, on average over the run (none: no limit)",
                                             metavar="PER_MILLION")
@@ -210,6 +215,9 @@ class AnnotationConfig:
             (0 <= self.teacher_epsilon <= 1, "--teacher-epsilon must be in [0, 1]"),
             (self.annotator == "teacher" or (self.teacher_beta is None and not self.teacher_epsilon),
              "--teacher-beta and --teacher-epsilon need --annotator teacher"),
+            (self.annotator != "store" or self.labels_from,
+             "--annotator store makes no labels of its own: give the labels with --labels-from STORE (an earlier "
+             "run's captions.pt)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -475,11 +483,16 @@ class TrainConfig:
             (labelled or ann.label_budget is None, "--label-budget"),
             (labelled or ann.query_selection == "frequency", "--query-selection"),
             (labelled or not self.feedback.human_feedback, "--human-feedback"),
+            (labelled or not ann.labels_from, "--labels-from"),
         ]
         for ok, flag in checks:
             if not ok:
                 raise ValueError(f"{flag} needs an --intrinsic-reward labelled by an annotator ({annotated}), "
                                  f"not {kind!r}")
+        if spec is not None and spec.pairs and (ann.annotator == "store" or ann.labels_from):
+            raise ValueError(f"--intrinsic-reward {kind} learns from caption pairs, which --labels-from does not "
+                             f"carry and --annotator store does not compare: use --intrinsic-reward retrieval or "
+                             f"classification")
         if ann.label_schedule != "constant" and ann.label_budget is None:
             raise ValueError(f"--label-schedule {ann.label_schedule} needs a --label-budget")
         if rm.ensemble > 1 and not model:

@@ -257,8 +257,34 @@ class Labelling:
                      self.store.stats()["labelled"], self.store_path)
         else:
             self.store = CaptionStore()
+        for source in self.cfg.annotation.labels_from:
+            self._import_labels(source)
         if self.cfg.feedback.human_feedback:
             self.snapshots = self._load_screens()  # before any work: a damaged file ends the run here
+
+    def _import_labels(self, source: str) -> None:
+        """Copies the caption labels of ``--labels-from`` store ``source`` into the run's store
+        (at every start: on ``--resume`` the run's store has them already and keeps its own).
+
+        Raises:
+            ValueError: ``source`` is missing, unreadable or holds no labels (one sentence).
+        """
+        from ..store import CaptionStore
+
+        if os.path.abspath(source) == os.path.abspath(self.store_path):
+            raise ValueError(f"--labels-from {source} is this run's own caption store")
+        try:
+            other = CaptionStore.load(source)
+        except FileNotFoundError:
+            raise ValueError(f"--labels-from: no caption store at {source}") from None
+        except ValueError as err:  # damaged or foreign: the loader says which in one sentence
+            raise ValueError(f"--labels-from: {err}") from None
+        counts = self.store.import_labels(other)
+        if counts["imported"] + counts["kept"] == 0:
+            raise ValueError(f"--labels-from {source}: the store has no labelled caption")
+        log.info("labels from %s: %d captions imported (%d approved), %d already labelled here kept "
+                 "(%d of them labelled otherwise there)", source, counts["imported"], counts["positive"],
+                 counts["kept"], counts["disagreeing"])
 
     def _load_screens(self):
         """The screens saved beside the caption store (``<store>.screens.pt``), or an empty table.
