@@ -653,7 +653,12 @@ def test_import_labels_matches_a_dict_reference():
                     for h, s in zip(hashes, seen_before) if s >= 0}
     coverage_before = target.stats()["seen_coverage"]
 
+    assert target.stats()["seen_captions"] == 20 and target.stats()["seen_labelled"] == 5
     counts = target.import_labels(source)
+    stats = target.stats()
+    # the run saw 20 captions; 10 of them are labelled now: its own 5, and 20-24 from the source
+    # (2 of which it had skipped); the source's 20 other labelled captions are new rows, unseen
+    assert stats["size"] == 20 + 20 and stats["seen_captions"] == 20 and stats["seen_labelled"] == 5 + 5
 
     reference = dict(source_labels)
     reference.update(own)  # what this store labelled stays

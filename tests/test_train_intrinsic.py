@@ -172,6 +172,7 @@ def test_a_run_on_stored_labels_pays_only_for_what_they_cover(tmp_path):
     assert new_and_seen.any(), "the second run saw no caption of its own: the test proves nothing"
     assert bool((status[new_and_seen] == SKIPPED).all())  # asked once, declined, never paid
     assert rows[-1]["labels/skipped"] == int(new_and_seen.sum())
+    assert rows[-1]["labels/seen_captions"] == int((seen > 0).sum()) < rows[-1]["labels/captions"]
     assert rows[-1]["annotation/labels_total"] == 0
     # whatever was paid, the source approved (1,024 frames may meet none of its few approved captions)
     paid = [l.rstrip("\n").split("\t")[3] for l in open(os.path.join(logdir, TOP_MESSAGES_NAME))

@@ -208,7 +208,9 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
         any ``failed`` rows of an older store not yet requeued), ``retrying`` (unseen after a
         failure), ``positives`` (labelled with label >= 0.5),
         ``labelled_fraction`` (labelled / size), ``seen_coverage`` (fraction of all sightings
-        whose caption is labelled), ``pairs``, ``pairs_labelled``, ``pairs_pending``,
+        whose caption is labelled), ``seen_captions`` and ``seen_labelled`` (captions seen at
+        least once, and those of them labelled: labels imported from another store
+        (:meth:`import_labels`) are in ``size`` and ``labelled`` before the run sees them), ``pairs``, ``pairs_labelled``, ``pairs_pending``,
         ``pairs_given_up``, ``pairs_skipped``, ``nbytes``, and ``errors/<kind>`` counts.
         """
         with self._lock:
@@ -233,6 +235,8 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
                 "positives": int((cols["label"][:n][labelled] >= 0.5).sum()),
                 "labelled_fraction": float(counts[LABELLED] / n) if n else 0.0,
                 "seen_coverage": float(seen[labelled].sum() / total_seen) if total_seen else 0.0,
+                "seen_captions": int((seen > 0).sum()),
+                "seen_labelled": int((labelled & (seen > 0)).sum()),
                 "pairs": self._pairs.size,
                 "pairs_labelled": int((pstatus == LABELLED).sum()),
                 "pairs_pending": int((pstatus == PENDING).sum()),

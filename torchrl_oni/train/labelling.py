@@ -330,6 +330,8 @@ class Labelling:
             out["labels/failed"] = s["failed"]
             out["labels/positive_fraction"] = s["positives"] / s["labelled"] if s["labelled"] else 0.0
             out["labels/seen_coverage"] = s["seen_coverage"]
+            out["labels/seen_captions"] = s["seen_captions"]  # differs from labels/captions with --labels-from
+            out["labels/seen_labelled"] = s["seen_labelled"]
             out["labels/skipped"] = s["skipped"]
             if self.spec.pairs:
                 out["labels/pairs"] = s["pairs"]
