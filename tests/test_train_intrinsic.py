@@ -213,7 +213,11 @@ def test_dead_llm_url_is_one_error_line_and_exit_2(tmp_path):
     (["--intrinsic-reward", "retrieval", "--annotator", "store", "--labels-from", "/nonexistent/captions.pt"],
      "--labels-from: no caption store at /nonexistent/captions.pt"),
     (["--labels-from", "/nonexistent/captions.pt"], "--labels-from needs an --intrinsic-reward labelled"),
-    (["--intrinsic-reward", "ranking", "--annotator", "store", "--labels-from", "x.pt"], "caption pairs"),
+    (["--intrinsic-reward", "ranking", "--annotator", "store", "--labels-from", "x.pt"],
+     "learns from caption pairs and --labels-from carries caption labels, not preferences"),
+    (["--intrinsic-reward", "ranking", "--labels-from", "x.pt"], "--labels-from carries caption labels"),
+    (["--check-judge", "--intrinsic-reward", "retrieval", "--annotator", "store", "--labels-from", "x.pt"],
+     "--annotator store answers nothing"),
 ])
 def test_bad_intrinsic_settings_exit_2(tmp_path, capsys, flags, words):
     with pytest.raises(SystemExit) as err:

@@ -21,6 +21,8 @@ field              meaning
                    an LLM (ELLM's goals) get its endpoint (:func:`start_llm`)
 ``judged``         the calibration probe (:mod:`torchrl_oni.annotators.probe`) asks it before
                    its first real label of single captions
+``answers``        it labels what it is asked; False for ``store``, which declines everything
+                   (the run's labels come from ``--labels-from``, which it then requires)
 =================  ===========================================================================
 
 Example:
@@ -55,6 +57,7 @@ class AnnotatorType:
     build: Callable[..., Tuple[Any, Any]]
     llm: bool = False
     judged: bool = False
+    answers: bool = True
 
 
 _REGISTRY: Registry[AnnotatorType] = Registry("--annotator")
@@ -172,5 +175,5 @@ register_annotator(AnnotatorType(
 ))
 register_annotator(AnnotatorType(
     "store", "no new labels: only those of --labels-from (earlier runs' caption stores); captions they do not "
-    "cover are skipped and pay nothing", _build_store,
+    "cover are skipped and pay nothing", _build_store, answers=False,
 ))

@@ -189,8 +189,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _check_judge(cfg: TrainConfig) -> int:
     """``oni-train --check-judge``: the calibration probe alone (see torchrl_oni/annotators/probe.py)."""
+    from .annotator_types import get_annotator
     from .labelling import check_judge, make_annotator
 
+    if not get_annotator(cfg.annotation.annotator).answers:
+        fail(PROG, f"--check-judge asks the annotator, and --annotator {cfg.annotation.annotator} answers nothing: "
+                   f"probe the LLM that made the --labels-from labels (--check-judge --llm-url URL)")
     try:
         annotator, server = make_annotator(cfg.annotation, seed=cfg.seed)
     except (ValueError, RuntimeError, OSError) as err:

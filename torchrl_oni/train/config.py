@@ -79,7 +79,7 @@ from ..config_tree import (
 from ..annotators.prompts import GOALS
 from ..queries import RULES, SCHEDULES
 from ..run_folder import CONFIG_NAME
-from .annotator_types import annotator_names
+from .annotator_types import annotator_names, get_annotator
 from .backends import backend_names, get_backend
 from .policy import ARCHS
 from .reward_types import model_rewards, reward_names, reward_types
@@ -215,9 +215,9 @@ class AnnotationConfig:
             (0 <= self.teacher_epsilon <= 1, "--teacher-epsilon must be in [0, 1]"),
             (self.annotator == "teacher" or (self.teacher_beta is None and not self.teacher_epsilon),
              "--teacher-beta and --teacher-epsilon need --annotator teacher"),
-            (self.annotator != "store" or self.labels_from,
-             "--annotator store makes no labels of its own: give the labels with --labels-from STORE (an earlier "
-             "run's captions.pt)"),
+            (get_annotator(self.annotator).answers or self.labels_from,
+             f"--annotator {self.annotator} makes no labels of its own: give the labels with --labels-from STORE "
+             f"(an earlier run's captions.pt)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -489,10 +489,11 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"{flag} needs an --intrinsic-reward labelled by an annotator ({annotated}), "
                                  f"not {kind!r}")
-        if spec is not None and spec.pairs and (ann.annotator == "store" or ann.labels_from):
-            raise ValueError(f"--intrinsic-reward {kind} learns from caption pairs, which --labels-from does not "
-                             f"carry and --annotator store does not compare: use --intrinsic-reward retrieval or "
-                             f"classification")
+        if spec is not None and spec.pairs and (ann.labels_from or not get_annotator(ann.annotator).answers):
+            why = ("--labels-from carries caption labels, not preferences" if ann.labels_from else
+                   f"--annotator {ann.annotator} compares none")
+            raise ValueError(f"--intrinsic-reward {kind} learns from caption pairs and {why}: use --intrinsic-reward "
+                             f"retrieval or classification")
         if ann.label_schedule != "constant" and ann.label_budget is None:
             raise ValueError(f"--label-schedule {ann.label_schedule} needs a --label-budget")
         if rm.ensemble > 1 and not model:
