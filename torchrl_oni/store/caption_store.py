@@ -209,9 +209,10 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
         failure), ``positives`` (labelled with label >= 0.5),
         ``labelled_fraction`` (labelled / size), ``seen_coverage`` (fraction of all sightings
         whose caption is labelled), ``seen_captions`` and ``seen_labelled`` (captions seen at
-        least once, and those of them labelled: labels imported from another store
-        (:meth:`import_labels`) are in ``size`` and ``labelled`` before the run sees them), ``pairs``, ``pairs_labelled``, ``pairs_pending``,
-        ``pairs_given_up``, ``pairs_skipped``, ``nbytes``, and ``errors/<kind>`` counts.
+        least once, and those of them labelled: labels imported from another store by
+        :meth:`import_labels` count in ``size`` and ``labelled`` before the run sees them),
+        ``pairs``, ``pairs_labelled``, ``pairs_pending``, ``pairs_given_up``, ``pairs_skipped``,
+        ``nbytes``, and ``errors/<kind>`` counts.
         """
         with self._lock:
             n = self._captions.size

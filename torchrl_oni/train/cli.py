@@ -222,7 +222,8 @@ def _print_summary(cfg: TrainConfig, summary: dict) -> None:
             ("labels/seen_coverage", "label coverage (of steps)", "{:.1%}"),
             ("ellm/goal_coverage", "steps whose state has goals", "{:.1%}"),
             ("ellm/states_with_goals", "states with goals", "{:,.0f}"), ("ellm/states", "states seen", "{:,.0f}"),
-            ("labels/seen_captions", "captions seen", "{:,.0f}"), ("labels/seen_labelled", "… of them labelled", "{:,.0f}"),
+            ("labels/seen_captions", "captions seen", "{:,.0f}"),
+            ("labels/seen_labelled", "… of them labelled", "{:,.0f}"),
             ("collect_fraction", "time waiting for envs", "{:.0%}")]
     print(f"\n== {PROG}: {cfg.env.task}, {cfg.reward.intrinsic_reward} intrinsic reward ==")
     for key, label, fmt in keys:

@@ -427,7 +427,9 @@ class Labelling:
         if coverage >= FINAL_COVERAGE_WARNING:
             return lines
         if self.spec.labels:
-            done, total, unit = metrics.get("labels/labelled", 0), metrics.get("labels/captions", 0), "captions"
+            # of the captions this run saw (--labels-from also brings captions it never met)
+            done = metrics.get("labels/seen_labelled", metrics.get("labels/labelled", 0))
+            total, unit = metrics.get("labels/seen_captions", metrics.get("labels/captions", 0)), "captions"
         else:
             done, total, unit = metrics.get("labels/pairs_labelled", 0), metrics.get("labels/pairs", 0), "pairs"
         budget = self.cfg.annotation.label_budget
