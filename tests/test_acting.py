@@ -209,6 +209,29 @@ def _server_threads():
     return [t for t in threading.enumerate() if t.name == "InferenceServer-worker"]
 
 
+def test_a_request_drained_at_shutdown_is_policy_server_gone_and_other_failures_pass_through():
+    """TorchRL answers requests pending at its shutdown with a plain RuntimeError; when that comes
+    before the closed mailbox is noticed (a race the CI saw once), the worker must still get
+    PolicyServerGone. A failure of the served policy itself keeps its own exception."""
+    from types import SimpleNamespace
+
+    from torchrl_oni.train.acting import TORCHRL_SHUTDOWN_MESSAGE, WorkerPolicy
+
+    class Failing:
+        def __init__(self, err):
+            self.err = err
+
+        def result(self, timeout=None):
+            raise self.err
+
+    waiting_worker = SimpleNamespace(request_timeout=None)
+    with pytest.raises(PolicyServerGone, match="shut down while this worker's request waited"):
+        WorkerPolicy._wait(waiting_worker, Failing(RuntimeError(TORCHRL_SHUTDOWN_MESSAGE)))
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as err:
+        WorkerPolicy._wait(waiting_worker, Failing(RuntimeError("mat1 and mat2 shapes cannot be multiplied")))
+    assert not isinstance(err.value, PolicyServerGone)
+
+
 def test_shutdown_ends_the_thread_and_waiting_workers_fail_fast():
     actor = _actor()
     td = _request()

@@ -91,6 +91,11 @@ __all__ = ["PolicyServer", "PolicyServerGone", "WorkerPolicy"]
 # how often the trainer's threads hand each other the GIL while a server runs (Python's default: 5 ms)
 SERVING_SWITCH_INTERVAL_S = 0.0005
 
+# TorchRL 0.14 answers the requests still pending when its InferenceServer shuts down with a plain
+# RuntimeError of this text (``_drain_pending_on_shutdown``); a worker waiting then must get
+# PolicyServerGone, as it does when the closed mailbox is noticed first
+TORCHRL_SHUTDOWN_MESSAGE = "InferenceServer is shutting down."
+
 
 class PolicyServerGone(RuntimeError):
     """A worker policy's server has stopped (or its trainer process is gone): no action will come."""
@@ -212,6 +217,11 @@ class WorkerPolicy(TensorDictModuleBase):
         while True:
             try:
                 return future.result(timeout=1.0)
+            except RuntimeError as err:
+                if str(err) == TORCHRL_SHUTDOWN_MESSAGE:
+                    raise PolicyServerGone("the PolicyServer shut down while this worker's request waited: no action "
+                                           "for its games") from err
+                raise  # the served policy's own failure: its traceback says what went wrong
             except queue.Empty:
                 parent = mp.parent_process()
                 if parent is not None and not parent.is_alive():
