@@ -59,7 +59,7 @@ def held_out(store: CaptionStore, others: CaptionStore) -> dict:
     return {
         "captions": int(len(hashes)),
         "steps": int(steps),
-        "own_steps_covered": float(seen.numpy()[own].sum() / steps) if steps else 0.0,
+        "own_steps_covered": store.stats()["seen_coverage"],
         "steps_covered": float(seen.numpy()[found].sum() / steps) if steps else 0.0,
         "captions_covered": float(found.mean()) if len(found) else 0.0,
         "agree": float((labels.numpy()[both] == rows["label"].numpy()[both]).mean()) if both.any() else None,
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         try:
             stores.append(CaptionStore.load(path))
         except (OSError, ValueError) as err:
-            report(PROG, f"{path}: {err}")
+            report(PROG, str(err))  # the loader names the file
             return 2
     rows = []
     for i, (path, store) in enumerate(zip(args.stores, stores)):

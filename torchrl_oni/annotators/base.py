@@ -108,5 +108,5 @@ class AnnotatorStats:
     latency_s_total: float = 0.0
     errors_by_kind: dict = field(default_factory=dict)
 
-    def count_error(self, kind: str) -> None:
-        self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
+    def count_error(self, kind: str, n: int = 1) -> None:
+        self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + n

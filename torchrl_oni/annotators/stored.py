@@ -42,7 +42,7 @@ class NoNewLabels:
         self.stats.requests += 1
         self.stats.captions += len(captions)
         if captions:
-            self.stats.errors_by_kind[SKIP_ERROR] = self.stats.errors_by_kind.get(SKIP_ERROR, 0) + len(captions)
+            self.stats.count_error(SKIP_ERROR, len(captions))
         return [Label(value=None, provenance=self.provenance, error=SKIP_ERROR) for _ in captions]
 
     async def compare(self, pairs: Sequence[Tuple[str, str]]) -> List[Preference]:
