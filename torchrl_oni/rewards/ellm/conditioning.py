@@ -95,7 +95,7 @@ class SharedGoalEmbeddings:
     a pickled table carries the files' path, not the data: TorchRL's collectors send env
     constructors through cloudpickle, which would copy ordinary shared-memory tensors by value,
     and a worker would then read its own empty copy. The process that made the table removes the
-    files when the table is garbage-collected or :meth:`close`\ d (workers keep their mapping).
+    files when the table is garbage-collected or :meth:`close` is called (workers keep their mapping).
     Processes on one machine only: Ray actors on other nodes cannot map the files.
 
     The files are allocated in full when the table is made (``posix_fallocate``): a full
