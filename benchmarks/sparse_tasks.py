@@ -41,7 +41,10 @@ goes to every ``oni-train`` command; ``--extra-for KEY "FLAGS"`` only to runs of
 (``retrieval``), of every intrinsic reward (``intrinsic``), of ``none`` or of ``random``.
 ``--variant NAME "FLAGS"`` runs every intrinsic setting again with FLAGS added, as the setting
 ``<setting>+NAME`` (an option measured against the default: ``--variant dp1 "--death-penalty 1"
---baseline retrieval-scripted``). The flags
+--baseline retrieval-scripted``). ``--control-variant NAME`` runs ``none`` with that variant's flags
+too, as ``none+NAME``: an option that is not about the intrinsic reward (a death penalty) is then
+measured on extrinsic-only as well, which separates what it does alone from what ONI adds to it
+(the same command with ``--baseline none+NAME`` prints that pairing; nothing is run again). The flags
 the grid sets (``--task``, ``--intrinsic-reward``, ``--annotator``, ``--seed``, ``--frames``,
 ``--logdir``, ``--resume``) may not appear in them. ``--eval-extra`` goes to ``oni-eval``.
 
@@ -147,7 +150,7 @@ class Run:
     detail: str = ""
     frames: Optional[int] = None
     outcome: Optional[str] = None  # this invocation: done, failed, interrupted, waiting, not started
-    variant: Optional[str] = None  # --variant NAME: the intrinsic setting run again with NAME's flags
+    variant: Optional[str] = None  # --variant NAME: the setting run again with NAME's flags (none: --control-variant)
 
     @property
     def setting(self) -> str:
@@ -227,12 +230,19 @@ def build_grid(args) -> List[Run]:
         tokens = _split(flags, f"--variant {name}")
         _check_not_owned(tokens, owned, f"--variant {name}")
         variants.append((name, tokens))
+    controls = list(dict.fromkeys(args.control_variant))
+    for name in controls:
+        if name not in [v for v, _ in variants]:
+            raise GridError(f"--control-variant: {name!r} is not a --variant of this grid")
+        if NONE not in args.rewards:
+            raise GridError(f"--control-variant {name} runs the '{NONE}' setting again: add it to --rewards")
     intrinsic = [r for r in dict.fromkeys(args.rewards) if r != NONE]
     # (reward, annotator, variant name, its flags): every intrinsic setting, then each with every variant
     settings = [(r, a, None, []) for r in intrinsic for a in dict.fromkeys(args.annotators)]
     settings += [(r, a, name, tokens) for r, a, _, _ in list(settings) for name, tokens in variants]
     if NONE in args.rewards:
         settings.append((NONE, None, None, []))
+        settings += [(NONE, None, name, tokens) for name, tokens in variants if name in controls]
     if args.random:
         settings.append((RANDOM, None, None, []))
     root = Path(args.root)
@@ -819,6 +829,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "FLAGS"),
                    help="every intrinsic setting again with these oni-train flags, as setting '<setting>+NAME' "
                         "(e.g. --variant dp1 \"--death-penalty 1\"); repeatable")
+    p.add_argument("--control-variant", action="append", default=[], metavar="NAME",
+                   help="run 'none' with the flags of --variant NAME too, as setting 'none+NAME' (what the "
+                        "option does without an intrinsic reward); repeatable")
     p.add_argument("--baseline", default=NONE, metavar="SETTING",
                    help="the setting the paired analysis compares every other one with (default: %(default)s; "
                         "e.g. retrieval-scripted to compare its variants with it)")
@@ -973,6 +986,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "grid": {"tasks": args.tasks, "rewards": args.rewards, "annotators": args.annotators, "seeds": args.seeds,
                  "random": args.random, "frames": args.frames, "episodes": args.episodes, "extra": args.extra,
                  "extra_for": [list(x) for x in args.extra_for], "variants": [list(x) for x in args.variant],
+                 "control_variants": args.control_variant,
                  "eval_extra": args.eval_extra, "baseline": args.baseline},
         "budgets": args.budgets,
         "rows": rows,

@@ -179,6 +179,37 @@ def test_variants_run_every_intrinsic_setting_again_with_their_flags(grid, tmp_p
     assert rows["none"]["success"]["mean"] == pytest.approx(-0.25)
 
 
+def test_a_control_variant_runs_extrinsic_only_with_the_variants_flags_too(grid, tmp_path, capsys):
+    root = tmp_path / "plan"
+    argv = ["--root", str(root), "--rewards", "retrieval", "none", "--annotators", "scripted", "--seeds", "0", "1",
+            "--frames", "3M", "--extra", "--workers 2", "--variant", "dp2", "--death-penalty 2",
+            "--variant", "run", "--count-scope run", "--control-variant", "dp2", "--baseline", "none+dp2", "--dry-run"]
+    assert grid.main(argv) == 0
+    listed, lines = _json_line(capsys.readouterr().out)
+    assert [r["run"] for r in listed["runs"]] == [
+        f"staircase/{s}/seed{k}" for k in (0, 1)
+        for s in ("retrieval-scripted", "retrieval-scripted+dp2", "retrieval-scripted+run", "none", "none+dp2")]
+    by_run = {line.split()[0]: line for line in lines[1:]}
+    control = by_run["staircase/none+dp2/seed1"]
+    assert "--workers 2 --death-penalty 2 --task staircase --intrinsic-reward none --seed 1" in control
+    assert "--count-scope" not in control and "--annotator" not in control
+    assert f"--logdir {root}/staircase/none+dp2/seed1" in control
+    # judged by the labels of the intrinsic setting without a variant, as plain none is
+    assert f"--caption-store {root}/staircase/retrieval-scripted/seed1/captions.pt" in control
+    assert "--death-penalty" not in by_run["staircase/none/seed1"]
+    per_run = [_evaluated(s, 0, e) for s, e in (("retrieval-scripted+dp2", "1110"), ("none+dp2", "1000"),
+                                                ("none", "0000"))]
+    rows = {r["setting"]: r for r in grid.paired(per_run, "none+dp2")}
+    assert rows["retrieval-scripted+dp2"]["success"]["mean"] == pytest.approx(0.5)
+    assert rows["none"]["success"]["mean"] == pytest.approx(-0.25)
+    # without none in the grid there is nothing to run it on
+    argv = ["--root", str(root), "--rewards", "retrieval", "--seeds", "0", "--variant", "dp2", "--death-penalty 2",
+            "--control-variant", "dp2", "--dry-run"]
+    assert grid.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "sparse_tasks.py: error: --control-variant dp2 runs the 'none' setting again: add it to --rewards"
+
+
 def test_extra_for_an_annotator_reaches_only_the_runs_it_labels(grid, tmp_path, capsys):
     root = tmp_path / "plan"
     argv = ["--root", str(root), "--rewards", "retrieval", "none", "--annotators", "scripted", "store",
@@ -215,6 +246,8 @@ def test_extra_for_an_annotator_reaches_only_the_runs_it_labels(grid, tmp_path, 
         (["--variant", "a", "--task score"], "--variant a may not set --task"),
         (["--variant", "dp", "--death-penalty -1"], "--death-penalty and --survival-bonus must be non-negative"),
         (["--baseline", "retrieval-scripted"], "--baseline 'retrieval-scripted' is not a setting of this grid"),
+        (["--variant", "dp", "--death-penalty 1", "--control-variant", "dq"],
+         "--control-variant: 'dq' is not a --variant of this grid"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(grid, tmp_path, capsys, extra, expected):
