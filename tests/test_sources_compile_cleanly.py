@@ -33,5 +33,6 @@ def test_an_invalid_escape_is_caught():
 def test_every_python_file_compiles_without_a_warning():
     files = _python_files()
     assert len(files) > 50  # the repository's files were found
-    found = [msg for path in files for msg in _compile_warnings(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))]
+    found = [msg for path in files
+             for msg in _compile_warnings(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))]
     assert found == []
