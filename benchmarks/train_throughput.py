@@ -104,7 +104,8 @@ def steady_state(rows: list) -> tuple:
 
 
 def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light", device: str = "auto",
-        frames_per_update=None, acting: str = "workers", minibatch_size=None, intrinsic_reward: str = "none") -> dict:
+        frames_per_update=None, acting: str = "workers", minibatch_size=None, intrinsic_reward: str = "none",
+        prefetch_batches=None) -> dict:
     import torch
     from torchrl_oni.train import TrainConfig, Trainer
     try:
@@ -118,6 +119,8 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         extra["frames_per_update"] = frames_per_update
     if acting != "workers":
         extra["acting"] = acting
+    if prefetch_batches is not None:
+        extra["prefetch_batches"] = prefetch_batches
     if intrinsic_reward != "none":  # labels from the rules, in the trainer: the LLM's compute lives elsewhere
         extra.update(intrinsic_reward=intrinsic_reward, annotator="scripted")
     cfg = TrainConfig(frames=10**9, workers=workers, envs_per_worker=envs, rollout=rollout, arch=arch, device=device,
@@ -151,7 +154,11 @@ def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
     """The same measurement by the package in ``code_dir`` (a subprocess with it first on the path)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one-run", "--seconds", str(seconds), "--workers",
            str(args.workers), "--envs", str(args.envs), "--rollout", str(args.rollout), "--arch", args.arch,
-           "--device", args.device, "--intrinsic-reward", args.intrinsic_reward]
+           "--device", args.device, "--intrinsic-reward", args.intrinsic_reward, "--acting", args.acting]
+    for flag, value in (("--frames-per-update", args.frames_per_update), ("--minibatch-size", args.minibatch_size),
+                        ("--prefetch-batches", args.baseline_prefetch_batches)):
+        if value is not None:  # only what was asked: the baseline's code may not know the setting
+            cmd += [flag, str(value)]
     env = dict(os.environ, PYTHONPATH=os.path.abspath(code_dir) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=code_dir)
     if out.returncode != 0:
@@ -178,6 +185,11 @@ def main(argv=None):
     p.add_argument("--intrinsic-reward", default="none",
                    help="an intrinsic reward type (retrieval, classification, ...), labelled by the rules annotator "
                         "in the trainer (default none)")
+    p.add_argument("--prefetch-batches", type=int, default=None,
+                   help="batches the trainer takes from the workers while it learns (default: the trainer's, one "
+                        "update's worth; 0: only when it asks)")
+    p.add_argument("--baseline-prefetch-batches", type=int, default=None, metavar="N",
+                   help="with --baseline-code: the baseline's --prefetch-batches (default: its own default)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--baseline-code", metavar="DIR", default=None,
                    help="baseline: the same configuration run by the package in DIR (interleaved rounds)")
@@ -185,10 +197,9 @@ def main(argv=None):
     p.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)  # a --baseline-code subprocess
     args = p.parse_args(argv)
     settings = dict(frames_per_update=args.frames_per_update, acting=args.acting, minibatch_size=args.minibatch_size,
-                    intrinsic_reward=args.intrinsic_reward)
+                    intrinsic_reward=args.intrinsic_reward, prefetch_batches=args.prefetch_batches)
     if args.one_run:
-        print(json.dumps(run(args.seconds, args.workers, args.envs, args.rollout, args.arch, args.device,
-                             intrinsic_reward=args.intrinsic_reward)))
+        print(json.dumps(run(args.seconds, args.workers, args.envs, args.rollout, args.arch, args.device, **settings)))
         return 0
     base = None
     if args.baseline_code:
@@ -234,6 +245,7 @@ def main(argv=None):
         "acting": args.acting,
         "intrinsic_reward": args.intrinsic_reward,
         "frames_per_update": args.frames_per_update or args.envs * args.rollout,
+        "prefetch_batches": args.prefetch_batches,
         "fps_per_core": round(main_run["fps"] / (os.cpu_count() or 1)),
         "outside_loss_share": main_run["outside_loss_share"] and round(main_run["outside_loss_share"], 3),
         "stages": main_run["stages"],

@@ -36,6 +36,20 @@ def test_train_throughput_smoke():
     assert "learner's time per stage" in table
 
 
+def test_train_throughput_against_baseline_settings_smoke():
+    """The A/B of a setting in one run: this code with --prefetch-batches 2 against the same code
+    (--baseline-code) with 0; both sides get the same --frames-per-update."""
+    root = str(BENCH.parent)
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "16", "--workers", "1", "--envs", "4",
+                                "--frames-per-update", "256", "--prefetch-batches", "2", "--baseline-code", root,
+                                "--baseline-prefetch-batches", "0"])
+    assert result["prefetch_batches"] == 2 and result["frames_per_update"] == 256
+    assert result["baseline_fps"] > 0 and result["ratio"] == pytest.approx(result["fps"] / result["baseline_fps"],
+                                                                          rel=0.01)
+    assert len(result["rounds_fps"]) == len(result["rounds_baseline_fps"]) == 1
+    assert "--baseline-code" in table
+
+
 def test_drop_in_overhead_smoke():
     result, table = bench_json([BENCH / "drop_in_overhead.py", "--seconds", "1.5", "--rounds", "1"])
     assert "+ oni_transforms" in table

@@ -67,9 +67,10 @@ def test_torchrl_worker_death_in_words():
 
 
 @pytest.mark.slow
-def test_killed_worker_is_restarted_and_the_run_finishes(tmp_path, caplog):
+@pytest.mark.parametrize("prefetch", [0, 2], ids=["no-prefetch", "prefetch"])
+def test_killed_worker_is_restarted_and_the_run_finishes(tmp_path, caplog, prefetch):
     killer = _KillWorker(at_iterations=[3])
-    trainer = Trainer(_cfg(tmp_path, worker_restarts=2), hooks=[killer])
+    trainer = Trainer(_cfg(tmp_path, worker_restarts=2, prefetch_batches=prefetch), hooks=[killer])
     with caplog.at_level(logging.WARNING, logger="torchrl_oni.train"):
         t0 = time.monotonic()
         summary = trainer.train()
@@ -344,9 +345,10 @@ def _assert_stall_restart(caplog, stopper, restarts):
 
 
 @pytest.mark.slow
-def test_stopped_worker_is_killed_restarted_and_the_run_finishes(tmp_path, caplog):
+@pytest.mark.parametrize("prefetch", [0, 2], ids=["no-prefetch", "prefetch"])
+def test_stopped_worker_is_killed_restarted_and_the_run_finishes(tmp_path, caplog, prefetch):
     stopper = _StopWorker(at_iteration=3)
-    cfg = _cfg(tmp_path, worker_restarts=2, worker_stall_timeout=STALL_S)
+    cfg = _cfg(tmp_path, worker_restarts=2, worker_stall_timeout=STALL_S, prefetch_batches=prefetch)
     trainer = Trainer(cfg, hooks=[stopper])
     with caplog.at_level(logging.WARNING, logger="torchrl_oni.train"):
         t0 = time.monotonic()

@@ -85,8 +85,10 @@ def _collectors():
 
 def _make_local(env_factories, policy, *, frames_per_batch: int, total_frames: int, dist=None,
                 worker_policies=None, exploration_type=None):
+    prefetch = getattr(dist, "prefetch_batches", None) or 0
     return _collectors().make_local_collector(env_factories, policy, frames_per_batch=frames_per_batch, total_frames=total_frames,
-                                worker_policies=worker_policies, exploration_type=exploration_type)
+                                worker_policies=worker_policies, exploration_type=exploration_type,
+                                prefetch=prefetch)
 
 
 def _check_local(dist) -> None:

@@ -13,7 +13,8 @@ Contract, the same for both (what the trainer relies on):
 
 * ``for batch in collector``: one worker's TensorDict ``[K, T]`` at a time, first ready first
   served; the worker keeps playing while the learner learns on it; the iterator counts the
-  frames delivered;
+  frames delivered (``"local"`` with ``prefetch``: a thread takes up to that many batches ahead
+  of the trainer, :mod:`torchrl_oni.train.prefetch`);
 * ``collector.update_policy_weights_(weights)``: ``TensorDict.from_module(actor)`` on CPU; does
   not wait for the workers;
 * ``collector.shutdown()``: stops the workers (and the Ray instance the run started);
@@ -77,6 +78,7 @@ import copy
 import logging
 import math
 import os
+import queue
 import re
 import shutil
 import signal
@@ -645,24 +647,77 @@ class _Given:
 
 
 class LocalEnvCollector(MultiAsyncCollector):
-    """TorchRL's ``MultiAsyncCollector`` that says which worker produced each batch.
+    """TorchRL's ``MultiAsyncCollector`` that says which worker produced each batch, and can
+    take batches from its workers while the trainer is busy elsewhere.
 
     Attributes:
         last_worker: index of the worker whose batch was handed over last (as
             :class:`RayEnvCollector`'s); the trainer's stall watchdog
             (:mod:`torchrl_oni.train.watchdog`) times each worker's silence from it.
+        prefetch: batches a background thread may take from the workers ahead of the trainer
+            (:class:`~torchrl_oni.train.prefetch.Prefetcher`; each taken batch re-arms its
+            worker at once instead of when the trainer asks); 0: TorchRL's own iterator.
     """
 
     last_worker: Optional[int] = None
+    prefetch: int = 0
+    _prefetcher = None
+    _fetched_worker: Optional[int] = None
 
-    def _get_from_queue(self, *args, **kwargs):
+    def _get_from_queue(self, timeout=None):
+        prefetcher = self._prefetcher
+        if prefetcher is None or timeout is None:
+            got = super()._get_from_queue(timeout=timeout)
+        else:  # the prefetch thread: short waits, so that close() is not kept waiting
+            from .prefetch import PrefetchStopped
+
+            deadline = time.monotonic() + timeout
+            while True:
+                if prefetcher.stopping.is_set():
+                    raise PrefetchStopped
+                try:
+                    got = super()._get_from_queue(timeout=min(0.05, max(deadline - time.monotonic(), 1e-3)))
+                    break
+                except (queue.Empty, TimeoutError):  # past the deadline: the caller's own timeout loop
+                    if time.monotonic() >= deadline:
+                        raise
         # TorchRL 0.14: (worker index, batch count, batch); anything else leaves the index unknown
-        got = super()._get_from_queue(*args, **kwargs)
         try:
-            self.last_worker = int(got[0])
+            self._fetched_worker = int(got[0])
         except (TypeError, ValueError, IndexError):
-            self.last_worker = None
+            self._fetched_worker = None
+        if prefetcher is None:
+            self.last_worker = self._fetched_worker
         return got
+
+    def iterator(self):
+        if not self.prefetch:
+            yield from super().iterator()
+            return
+        from .prefetch import Prefetcher
+
+        def batches_and_workers():
+            for batch in super(LocalEnvCollector, self).iterator():
+                yield batch, self._fetched_worker
+
+        self._prefetcher = Prefetcher(batches_and_workers(), self.prefetch, name="collector-prefetch")
+        try:
+            for batch, worker in self._prefetcher:
+                self.last_worker = worker
+                yield batch
+        finally:
+            self._stop_prefetch()
+
+    def _stop_prefetch(self) -> None:
+        prefetcher = self._prefetcher
+        if prefetcher is not None:
+            prefetcher.close()
+            self._prefetcher = None
+
+    def shutdown(self, *args, **kwargs):
+        # the thread sends "continue" on the workers' pipes: it must be gone before "close" is sent
+        self._stop_prefetch()
+        return super().shutdown(*args, **kwargs)
 
 
 class ServedPolicyCollector(LocalEnvCollector):
@@ -732,10 +787,11 @@ def make_collector(
 
 
 def make_local_collector(env_factories: Sequence[Callable], policy: torch.nn.Module, *, frames_per_batch: int,
-                         total_frames: int, worker_policies=None, exploration_type=None):
+                         total_frames: int, worker_policies=None, exploration_type=None, prefetch: int = 0):
     """The ``local`` backend: ``MultiAsyncCollector`` (:class:`LocalEnvCollector`), one process per
     factory on this machine (:class:`ServedPolicyCollector` when the workers act through a policy
-    server)."""
+    server); ``prefetch``: batches taken from the workers ahead of the trainer
+    (:attr:`LocalEnvCollector.prefetch`)."""
     from torchrl.weight_update import SharedMemWeightSyncScheme
 
     from ..spawn_check import check_main_guard
@@ -749,17 +805,20 @@ def make_local_collector(env_factories: Sequence[Callable], policy: torch.nn.Mod
         worker_policies = list(worker_policies)
         if len(worker_policies) != len(env_factories):
             raise ValueError(f"{len(worker_policies)} worker policies for {len(env_factories)} env workers")
-        return ServedPolicyCollector(list(env_factories), policy_factory=[_Given(p) for p in worker_policies],
-                                     **common)
-    return LocalEnvCollector(
-        list(env_factories),
-        policy,
-        **common,
-        # the learner does not wait for every worker to acknowledge new weights (waiting cost
-        # 7 ms an update of 36 ms, light policy on 2 cores); each worker's background thread
-        # copies them into its policy when it reads the instruction, as it did before
-        weight_sync_schemes={"policy": SharedMemWeightSyncScheme(sync=False)},
-    )
+        collector = ServedPolicyCollector(list(env_factories), policy_factory=[_Given(p) for p in worker_policies],
+                                          **common)
+    else:
+        collector = LocalEnvCollector(
+            list(env_factories),
+            policy,
+            **common,
+            # the learner does not wait for every worker to acknowledge new weights (waiting cost
+            # 7 ms an update of 36 ms, light policy on 2 cores); each worker's background thread
+            # copies them into its policy when it reads the instruction, as it did before
+            weight_sync_schemes={"policy": SharedMemWeightSyncScheme(sync=False)},
+        )
+    collector.prefetch = int(prefetch)
+    return collector
 
 
 def make_ray_collector(env_factories: Sequence[Callable], policy: torch.nn.Module, *, frames_per_batch: int,
