@@ -165,6 +165,50 @@ def test_gathered_batches_update_like_one_batch():
     _compare("light", parts=3, minibatch_size=48, ppo_epochs=1)
 
 
+@pytest.mark.parametrize("parts", [1, 3])
+def test_one_minibatch_of_the_whole_batch_reuses_the_critic_pass_and_equals_torchrl_reference(parts):
+    """The default shape of an update (one epoch, one minibatch of the whole batch): the
+    advantages' values come from the loss's own critic pass, so the critic runs once per update
+    where the reference runs it twice (GAE, then the loss); advantages, losses and weights are
+    the reference's."""
+    calls = []
+    original = _rollout
+
+    def counted(*args, **kwargs):
+        actor, critic, batch = original(*args, **kwargs)
+        critic.register_forward_hook(lambda module, inputs, output: calls.append(1))
+        return actor, critic, batch
+
+    globals()["_rollout"] = counted
+    try:
+        _compare("light", minibatch_size=6 * 24, ppo_epochs=1, parts=parts)
+    finally:
+        globals()["_rollout"] = original
+    # the reference's copy of the critic carries the hook too: it runs twice (GAE, loss), ours once
+    assert len(calls) == 3
+
+
+def test_the_critic_pass_is_reused_only_where_it_is_the_same_pass():
+    actor, critic, batch = _rollout("light")
+    whole = batch.numel()
+    for ppo, value_heads, expected in ((PPOConfig(minibatch_size=whole), 1, True),
+                                       (PPOConfig(minibatch_size=whole // 2), 1, False),
+                                       (PPOConfig(minibatch_size=whole, ppo_epochs=2), 1, False)):
+        learner = PPOLearner(actor, critic, ppo, torch.device("cpu"), value_heads=value_heads)
+        assert learner.reuses_critic_pass(batch) is expected, (ppo, value_heads)
+    a2, c2, b2 = _rollout("light", value_heads=2)
+    assert not PPOLearner(a2, c2, PPOConfig(minibatch_size=whole), torch.device("cpu"),
+                          value_heads=2).reuses_critic_pass(b2)
+    a3, c3, b3 = _rollout("oni")
+    assert not PPOLearner(a3, c3, PPOConfig(minibatch_size=whole, ppo_epochs=1), torch.device("cpu"),
+                          recurrent=True).reuses_critic_pass(b3)
+    clock = StageClock()
+    learner = PPOLearner(actor, critic, PPOConfig(minibatch_size=whole), torch.device("cpu"), clock=clock)
+    learner.update(batch)
+    # the critic's pass with gradients is the loss's forward; the recursion alone is GAE's
+    assert clock.count("forward") == 2 and clock.count("backward") == 1 and clock.count("gae") == 1
+
+
 @pytest.mark.slow
 def test_recurrent_update_equals_torchrl_reference():
     # one minibatch: Adam's first step is about lr · sign(gradient), so the rounding of a

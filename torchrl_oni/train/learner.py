@@ -15,6 +15,11 @@ policy, 1,024-frame batches: 49 ms an update before, GAE 25 % of it):
   batch with 32 truncations, measured), so the values are computed here and ``GAE`` only does the
   recursion. A single-layer GRU critic gets the same from one recurrent pass
   (:func:`recurrent_values`); an LSTM keeps TorchRL's path.
+* **and once in all when the update is one minibatch of the whole batch** (one epoch, the light
+  policy's separate critic, one value head: the defaults on the CPU and the GPU node's
+  ``--minibatch-size`` = ``--frames-per-update``): the values GAE needs come from the loss's own
+  critic pass, run first with its graph kept, and the critic loss is computed on them (the
+  no-gradient pass was 14 % of an update, light policy, 2-core CPU);
 * **minibatches are cut from the keys the loss reads** (not the whole batch with its ``next``
   observations and episode statistics);
 * **statistics stay on the device** until the end of the update and are read with one
@@ -60,13 +65,16 @@ __all__ = ["PPOLearner", "feedforward_values", "recurrent_values", "rollout_batc
 STAT_KEYS = ("loss_objective", "loss_critic", "loss_entropy", "entropy", "kl_approx", "clip_fraction", "grad_norm")
 
 
-def feedforward_values(critic, batch: TensorDictBase, value_keys: Sequence[str]) -> None:
+def feedforward_values(critic, batch: TensorDictBase, value_keys: Sequence[str]) -> Optional[torch.Tensor]:
     """Writes ``value_key`` and ``("next", value_key)`` into ``batch`` ``[N, T]`` with one pass
     of a feed-forward ``critic`` over the batch's observations plus the next observations that
     are not the following step's observation (episode ends and the rollout's last step).
 
     The result equals TorchRL's ``GAE`` with its value network (up to float rounding):
     ``tests/test_learner.py`` compares them on batches with terminations and truncations.
+
+    Returns the first value key's values of the batch's own observations, ``[N * T, 1]``, with
+    their graph when called with gradients enabled (the values written are detached), else None.
     """
     n, t = batch.shape[:2]
     keys = list(critic.in_keys)
@@ -76,14 +84,16 @@ def feedforward_values(critic, batch: TensorDictBase, value_keys: Sequence[str])
     need[:, -1] = True
     inputs = torch.cat([obs.reshape(-1), nxt[need]], 0)
     out = critic(inputs)
+    kept = out.get(value_keys[0])[: n * t] if torch.is_grad_enabled() else None
     for key in value_keys:
-        values = out.get(key)
+        values = out.get(key).detach()
         value = values[: n * t].reshape(n, t, -1)
         next_value = torch.empty_like(value)
         next_value[:, :-1] = value[:, 1:]
         next_value[need] = values[n * t :]
         batch.set(key, value)
         batch.set(("next", key), next_value)
+    return kept
 
 
 def rollout_batch(arch: str = "light", games: int = 32, steps: int = 32, max_episode_steps: int = 200,
@@ -217,6 +227,12 @@ class PPOLearner:
             normalize_advantage=True,
             loss_critic_type="smooth_l1",
         )
+        # the loss without its critic, for updates whose critic pass is the advantages' (one
+        # minibatch of the whole batch: :meth:`reuses_critic_pass`); same actor, same parameters
+        self.actor_loss = None
+        if value_heads == 1 and not recurrent and self.fast_values and self.loss_critic is critic:
+            self.actor_loss = ClipPPOLoss(actor, None, clip_epsilon=ppo.clip_epsilon, entropy_coeff=ppo.entropy_coeff,
+                                          critic_coeff=None, normalize_advantage=True)
         self.params = list(self.loss.parameters())
         if value_heads == 2:
             self.params += list(critic.parameters())
@@ -304,16 +320,28 @@ class PPOLearner:
             batch.set(("next", key), torch.zeros_like(state))
         return batch
 
-    def compute_advantages(self, batch: TensorDictBase) -> None:
-        """Values, advantages and value targets, written into ``batch``."""
-        with torch.no_grad():
-            if self.fast_values:
+    def reuses_critic_pass(self, batch: TensorDictBase) -> bool:
+        """Whether an update of ``batch`` is one minibatch of the whole batch, whose critic pass
+        can give the advantages their values (see the module's docstring)."""
+        return self.actor_loss is not None and self.ppo.ppo_epochs == 1 and self.ppo.minibatch_size >= batch.numel()
+
+    def compute_advantages(self, batch: TensorDictBase, keep_graph: bool = False) -> Optional[torch.Tensor]:
+        """Values, advantages and value targets, written into ``batch``. With ``keep_graph``
+        (feed-forward critics only) the critic runs with gradients and its values of the batch's
+        observations are returned with their graph, ``[N * T, 1]``, for the critic loss."""
+        kept = None
+        if keep_graph:
+            with self.clock("forward"):
+                kept = feedforward_values(self.critic, batch, self.value_keys)
+        with torch.no_grad(), self.clock("gae"):
+            if self.fast_values and not keep_graph:
                 values = recurrent_values if self.recurrent else feedforward_values
                 values(self.critic, batch, self.value_keys)
             for estimator in self.advantages:
                 estimator(batch)
             if self.value_heads == 2:
                 batch.set("advantage", batch.get("advantage_ext") + batch.get("advantage_int"))
+        return kept
 
     def update(self, batch: TensorDictBase) -> Dict[str, float]:
         """One PPO update (``ppo_epochs`` passes of minibatches) on ``batch`` ``[N, T]``; returns
@@ -328,9 +356,9 @@ class PPOLearner:
 
             ctx = set_recurrent_mode(True)
         stats: Dict[str, List[torch.Tensor]] = {}
+        reuse = self.reuses_critic_pass(batch)
         with ctx:
-            with clock("gae"):
-                self.compute_advantages(batch)
+            values = self.compute_advantages(batch, keep_graph=reuse)
             with clock("minibatch"):
                 if self.recurrent:
                     data = batch  # the recurrent core reads its state and resets along each trajectory
@@ -346,7 +374,12 @@ class PPOLearner:
                     with clock("minibatch"):
                         minibatch = data if whole else data[perm[start : start + mb_items]]
                     with clock("forward"):
-                        losses = self.loss(minibatch)
+                        if reuse:  # the critic's pass was the advantages': only its loss is left
+                            losses = self.actor_loss(minibatch)
+                            losses.set("loss_critic", self.ppo.critic_coeff * torch.nn.functional.smooth_l1_loss(
+                                values, minibatch.get("value_target")))
+                        else:
+                            losses = self.loss(minibatch)
                         if self.value_heads == 2:
                             losses.set("loss_critic", self._two_head_critic_loss(minibatch))
                         total = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
