@@ -188,6 +188,25 @@ def test_one_minibatch_of_the_whole_batch_reuses_the_critic_pass_and_equals_torc
     assert len(calls) == 3
 
 
+@pytest.mark.slow
+def test_a_gru_update_of_one_minibatch_runs_the_trunk_once():
+    """GRU policy, one minibatch of whole trajectories: the encoder runs over the batch once (the
+    trunk's pass, kept for the loss's heads) plus once over the few next observations GAE needs,
+    instead of once for GAE's values and once more for the loss; the update is the reference's
+    (test_recurrent_update_equals_torchrl_reference takes this path)."""
+    actor, critic, batch = _rollout("oni")
+    encoder = actor.module[0].module[0].module[0]
+    rows = []
+    encoder.register_forward_hook(lambda module, inputs, output: rows.append(output["features"].shape[:-1].numel()))
+    learner = PPOLearner(actor, critic, PPOConfig(minibatch_size=batch.numel(), ppo_epochs=1), torch.device("cpu"),
+                         recurrent=True)
+    assert learner.reuses_critic_pass(batch)
+    learner.update(batch)
+    need = batch.get(("next", "done")).squeeze(-1).clone()
+    need[:, -1] = True
+    assert rows == [batch.numel(), int(need.sum())]
+
+
 def test_the_critic_pass_is_reused_only_where_it_is_the_same_pass():
     actor, critic, batch = _rollout("light")
     whole = batch.numel()
@@ -199,9 +218,12 @@ def test_the_critic_pass_is_reused_only_where_it_is_the_same_pass():
     a2, c2, b2 = _rollout("light", value_heads=2)
     assert not PPOLearner(a2, c2, PPOConfig(minibatch_size=whole), torch.device("cpu"),
                           value_heads=2).reuses_critic_pass(b2)
-    a3, c3, b3 = _rollout("oni")
-    assert not PPOLearner(a3, c3, PPOConfig(minibatch_size=whole, ppo_epochs=1), torch.device("cpu"),
-                          recurrent=True).reuses_critic_pass(b3)
+    for arch, expected in (("oni", True), ("oni-lstm", False)):  # an LSTM keeps TorchRL's GAE path
+        a3, c3, b3 = _rollout(arch)
+        for minibatch, reused in ((whole, expected), (whole // 2, False)):
+            learner = PPOLearner(a3, c3, PPOConfig(minibatch_size=minibatch, ppo_epochs=1), torch.device("cpu"),
+                                 recurrent=True)
+            assert learner.reuses_critic_pass(b3) is reused, (arch, minibatch)
     clock = StageClock()
     learner = PPOLearner(actor, critic, PPOConfig(minibatch_size=whole), torch.device("cpu"), clock=clock)
     learner.update(batch)

@@ -15,11 +15,12 @@ policy, 1,024-frame batches: 49 ms an update before, GAE 25 % of it):
   batch with 32 truncations, measured), so the values are computed here and ``GAE`` only does the
   recursion. A single-layer GRU critic gets the same from one recurrent pass
   (:func:`recurrent_values`); an LSTM keeps TorchRL's path.
-* **and once in all when the update is one minibatch of the whole batch** (one epoch, the light
-  policy's separate critic, one value head: the defaults on the CPU and the GPU node's
-  ``--minibatch-size`` = ``--frames-per-update``): the values GAE needs come from the loss's own
-  critic pass, run first with its graph kept, and the critic loss is computed on them (the
-  no-gradient pass was 14 % of an update, light policy, 2-core CPU);
+* **and once in all when the update is one minibatch of the whole batch** (one epoch, one value
+  head: the defaults on the CPU and the GPU node's ``--minibatch-size`` = ``--frames-per-update``):
+  the values GAE needs come from the loss's own critic pass, run first with its graph kept, and
+  the critic loss is computed on them; for the GRU policy the shared trunk (encoder and GRU) runs
+  once, and the loss runs only the heads on its output (the no-gradient pass was 14 % of an
+  update with the light policy, 24 % with the GRU, 2-core CPU);
 * **minibatches are cut from the keys the loss reads** (not the whole batch with its ``next``
   observations and episode statistics);
 * **statistics stay on the device** until the end of the update and are read with one
@@ -151,21 +152,33 @@ def recurrent_values(critic, batch: TensorDictBase, value_keys: Sequence[str]) -
     from torchrl.modules import set_recurrent_mode
 
     core = _single_gru(critic)
-    n, t = batch.shape[:2]
     keys = list(critic.in_keys)
     with set_recurrent_mode(True):
         out = critic(batch.select(*keys).copy())
     hidden = out.get(core.out_keys[0])  # [n, t, H]: the GRU's output, its hidden state after each step
+    _write_recurrent_values(critic, batch, value_keys, out, hidden)
+
+
+def _write_recurrent_values(critic, batch: TensorDictBase, value_keys: Sequence[str], out: TensorDictBase,
+                            hidden: torch.Tensor) -> None:
+    """The values of :func:`recurrent_values` from the recurrent pass's output ``out`` (the
+    values of the batch's observations) and the GRU's ``hidden`` state after each step; written
+    detached."""
+    from torchrl.modules import set_recurrent_mode
+
+    core = _single_gru(critic)
+    n, t = batch.shape[:2]
+    keys = list(critic.in_keys)
     need = batch.get(("next", "done")).reshape(n, t).clone()
     need[:, -1] = True
     nxt = batch.get("next").select(*keys)[need].copy()
     state_key = core.in_keys[1]  # the hidden state the GRU starts from
-    nxt.set(state_key, hidden[need].unsqueeze(-2).to(nxt.get(state_key).dtype))
+    nxt.set(state_key, hidden.detach()[need].unsqueeze(-2).to(nxt.get(state_key).dtype))
     nxt.set("is_init", torch.zeros_like(nxt.get("is_init")))
-    with set_recurrent_mode(False):
+    with set_recurrent_mode(False), torch.no_grad():
         last = critic(nxt)
     for key in value_keys:
-        value = out.get(key)
+        value = out.get(key).detach()
         next_value = torch.empty_like(value)
         next_value[:, :-1] = value[:, 1:]
         next_value[need] = last.get(key)
@@ -230,9 +243,19 @@ class PPOLearner:
         # the loss without its critic, for updates whose critic pass is the advantages' (one
         # minibatch of the whole batch: :meth:`reuses_critic_pass`); same actor, same parameters
         self.actor_loss = None
-        if value_heads == 1 and not recurrent and self.fast_values and self.loss_critic is critic:
+        self.trunk = None  # a GRU policy's shared trunk, run once by such updates
+        if value_heads == 1 and self.fast_values and not recurrent and self.loss_critic is critic:
             self.actor_loss = ClipPPOLoss(actor, None, clip_epsilon=ppo.clip_epsilon, entropy_coeff=ppo.entropy_coeff,
                                           critic_coeff=None, normalize_advantage=True)
+        elif value_heads == 1 and self.fast_values and recurrent and self.loss_critic is not critic:
+            from .policy import actor_head
+
+            trunk, head = actor_head(actor)
+            if trunk is not None and _single_gru(trunk) is not None:
+                self.trunk = trunk
+                self.actor_loss = ClipPPOLoss(head, None, clip_epsilon=ppo.clip_epsilon,
+                                              entropy_coeff=ppo.entropy_coeff, critic_coeff=None,
+                                              normalize_advantage=True)
         self.params = list(self.loss.parameters())
         if value_heads == 2:
             self.params += list(critic.parameters())
@@ -323,14 +346,27 @@ class PPOLearner:
     def reuses_critic_pass(self, batch: TensorDictBase) -> bool:
         """Whether an update of ``batch`` is one minibatch of the whole batch, whose critic pass
         can give the advantages their values (see the module's docstring)."""
-        return self.actor_loss is not None and self.ppo.ppo_epochs == 1 and self.ppo.minibatch_size >= batch.numel()
+        if self.actor_loss is None or self.ppo.ppo_epochs != 1:
+            return False
+        if self.recurrent:  # minibatches of whole trajectories
+            return max(1, self.ppo.minibatch_size // batch.shape[1]) >= batch.shape[0]
+        return self.ppo.minibatch_size >= batch.numel()
 
     def compute_advantages(self, batch: TensorDictBase, keep_graph: bool = False) -> Optional[torch.Tensor]:
         """Values, advantages and value targets, written into ``batch``. With ``keep_graph``
         (feed-forward critics only) the critic runs with gradients and its values of the batch's
-        observations are returned with their graph, ``[N * T, 1]``, for the critic loss."""
+        observations are returned with their graph, ``[N * T, 1]`` (``[N, T, 1]`` for a GRU
+        policy, whose trunk outputs stay in ``batch`` with theirs), for the critic loss."""
         kept = None
-        if keep_graph:
+        if keep_graph and self.trunk is not None:
+            with self.clock("forward"):
+                # the trunk's outputs stay in the batch with their graph: the loss's head reads them
+                self.trunk(batch)
+                out = self.loss_critic(batch.select("core"))
+                kept = out.get(self.value_keys[0])
+            with self.clock("gae"):
+                _write_recurrent_values(self.critic, batch, self.value_keys, out, batch.get("core"))
+        elif keep_graph:
             with self.clock("forward"):
                 kept = feedforward_values(self.critic, batch, self.value_keys)
         with torch.no_grad(), self.clock("gae"):

@@ -47,7 +47,7 @@ from ..captions import GOAL_EMBEDDING_KEY
 from ..envs.batched import OFF_MAP_GLYPH
 
 __all__ = ["ARCHS", "BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "loss_critic", "POLICY_IN_KEYS",
-           "TRUNK_KEYS", "acting_copy", "ActingActor", "PlainStep"]
+           "TRUNK_KEYS", "acting_copy", "actor_head", "ActingActor", "PlainStep"]
 
 POLICY_IN_KEYS = ["crop", "blstats", "message"]
 # what the recurrent archs' shared trunk writes for its own heads (encoder output, core output):
@@ -249,6 +249,24 @@ def loss_critic(actor, critic):
     if critic.module[0] is not actor_body.module[0]:
         return critic  # no trunk in common
     return TensorDictSequential(*critic.module[1:])
+
+
+def actor_head(actor):
+    """For an actor whose network is a shared trunk then a head (``oni``: encoder and GRU, then
+    the policy's linear layer), ``(trunk, head_actor)``: the trunk module, and a
+    ``ProbabilisticActor`` of the same distribution that runs only the head, reading the trunk's
+    output ``core`` (the same parameters, not copies); ``(None, None)`` for other actors. The
+    learner runs the trunk once per update when GAE and the loss would both run it
+    (:meth:`~torchrl_oni.train.learner.PPOLearner.reuses_critic_pass`)."""
+    actor_body = actor.module[0] if isinstance(actor.module, nn.ModuleList) else None
+    if not isinstance(actor_body, TensorDictSequential) or len(actor_body.module) < 2:
+        return None, None
+    trunk = actor_body.module[0]
+    if not isinstance(trunk, TensorDictSequential) or "core" not in trunk.out_keys:
+        return None, None
+    spec = actor.spec
+    spec = spec["action"] if spec is not None and "action" in spec.keys() else spec
+    return trunk, _make_actor(TensorDictSequential(*actor_body.module[1:]), ["core"], spec)
 
 
 class PlainStep:
