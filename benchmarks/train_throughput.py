@@ -147,6 +147,7 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         "outside_loss_share": last.get("learner/outside_loss_share"),
         "gpu_util": util.mean() if util is not None else None,
         "acting": {k: v for k, v in last.items() if k.startswith("acting/")},
+        "prefetch_batches": getattr(trainer.cfg.distributed, "prefetch_batches", None),  # as resolved
     }
 
 
@@ -245,7 +246,7 @@ def main(argv=None):
         "acting": args.acting,
         "intrinsic_reward": args.intrinsic_reward,
         "frames_per_update": args.frames_per_update or args.envs * args.rollout,
-        "prefetch_batches": args.prefetch_batches,
+        "prefetch_batches": main_run.get("prefetch_batches"),
         "fps_per_core": round(main_run["fps"] / (os.cpu_count() or 1)),
         "outside_loss_share": main_run["outside_loss_share"] and round(main_run["outside_loss_share"], 3),
         "stages": main_run["stages"],

@@ -242,20 +242,19 @@ class PPOLearner:
         )
         # the loss without its critic, for updates whose critic pass is the advantages' (one
         # minibatch of the whole batch: :meth:`reuses_critic_pass`); same actor, same parameters
-        self.actor_loss = None
         self.trunk = None  # a GRU policy's shared trunk, run once by such updates
+        head = None  # the actor that loss runs: the whole light actor, or the GRU policy's head
         if value_heads == 1 and self.fast_values and not recurrent and self.loss_critic is critic:
-            self.actor_loss = ClipPPOLoss(actor, None, clip_epsilon=ppo.clip_epsilon, entropy_coeff=ppo.entropy_coeff,
-                                          critic_coeff=None, normalize_advantage=True)
+            head = actor
         elif value_heads == 1 and self.fast_values and recurrent and self.loss_critic is not critic:
             from .policy import actor_head
 
-            trunk, head = actor_head(actor)
+            trunk, trunk_head = actor_head(actor)
             if trunk is not None and _single_gru(trunk) is not None:
-                self.trunk = trunk
-                self.actor_loss = ClipPPOLoss(head, None, clip_epsilon=ppo.clip_epsilon,
-                                              entropy_coeff=ppo.entropy_coeff, critic_coeff=None,
-                                              normalize_advantage=True)
+                self.trunk, head = trunk, trunk_head
+        self.actor_loss = None if head is None else ClipPPOLoss(
+            head, None, clip_epsilon=ppo.clip_epsilon, entropy_coeff=ppo.entropy_coeff, critic_coeff=None,
+            normalize_advantage=True)
         self.params = list(self.loss.parameters())
         if value_heads == 2:
             self.params += list(critic.parameters())
@@ -354,7 +353,7 @@ class PPOLearner:
 
     def compute_advantages(self, batch: TensorDictBase, keep_graph: bool = False) -> Optional[torch.Tensor]:
         """Values, advantages and value targets, written into ``batch``. With ``keep_graph``
-        (feed-forward critics only) the critic runs with gradients and its values of the batch's
+        (only where :meth:`reuses_critic_pass`) the critic runs with gradients and its values of the batch's
         observations are returned with their graph, ``[N * T, 1]`` (``[N, T, 1]`` for a GRU
         policy, whose trunk outputs stay in ``batch`` with theirs), for the critic loss."""
         kept = None
@@ -412,12 +411,12 @@ class PPOLearner:
                     with clock("forward"):
                         if reuse:  # the critic's pass was the advantages': only its loss is left
                             losses = self.actor_loss(minibatch)
-                            losses.set("loss_critic", self.ppo.critic_coeff * torch.nn.functional.smooth_l1_loss(
-                                values, minibatch.get("value_target")))
+                            losses.set("loss_critic", self._critic_loss({self.value_keys[0]: values}, minibatch))
                         else:
                             losses = self.loss(minibatch)
-                        if self.value_heads == 2:
-                            losses.set("loss_critic", self._two_head_critic_loss(minibatch))
+                        if self.value_heads == 2:  # whole critic: no actor pass here
+                            values_td = self.critic(minibatch.select(*self.critic.in_keys, strict=False).copy())
+                            losses.set("loss_critic", self._critic_loss(values_td, minibatch))
                         total = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
                     with clock("backward"):
                         self.optimizer.zero_grad(set_to_none=True)
@@ -436,9 +435,9 @@ class PPOLearner:
             means = torch.stack([torch.stack(stats[k]).mean() for k in names]).tolist() if names else []
         return {f"train/{k}": v for k, v in zip(names, means)}
 
-    def _two_head_critic_loss(self, minibatch: TensorDictBase) -> torch.Tensor:
-        """Smooth-L1 of each value head against its own GAE target, weighted like PPO's."""
-        values = self.critic(minibatch.select(*self.critic.in_keys, strict=False).copy())  # whole critic: no actor pass here
+    def _critic_loss(self, values, minibatch: TensorDictBase) -> torch.Tensor:
+        """Smooth-L1 of each value head's ``values`` (anything with ``.get(value_key)``) against
+        its own GAE target, weighted like PPO's (TorchRL's ``ClipPPOLoss`` critic loss)."""
         loss = 0.0
         for suffix in self.suffixes:
             loss = loss + torch.nn.functional.smooth_l1_loss(

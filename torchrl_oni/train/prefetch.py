@@ -119,7 +119,7 @@ class Prefetcher:
 
     @property
     def held(self) -> int:
-        """Items ready and not yet handed over (a gauge for logs)."""
+        """Items ready and not yet handed over (for tests and debugging)."""
         return self._ready.qsize()
 
     def close(self, timeout: Optional[float] = 30.0) -> None:
