@@ -179,6 +179,10 @@ def main(argv=None):
                    help="where the policy acts: env workers' CPUs or one inference server")
     p.add_argument("--prefetch-batches", type=int, default=None,
                    help="batches the trainer takes from the workers while it learns (default: the trainer's)")
+    from torchrl_oni.train.config import COMPILE_MODES
+
+    p.add_argument("--compile", choices=COMPILE_MODES,
+                   default="off", help="torch.compile of the update (the trainer's --compile)")
     args = p.parse_args(argv)
     ellm = args.intrinsic_reward == "ellm"
 
@@ -194,7 +198,7 @@ def main(argv=None):
                       intrinsic_coeff=args.intrinsic_coeff, annotator=args.annotator, llm_model=args.llm_model,
                       llm_url=args.llm_url, progress=True, tensorboard=False,
                       frames_per_update=args.frames_per_update, acting=args.acting,
-                      prefetch_batches=args.prefetch_batches)
+                      prefetch_batches=args.prefetch_batches, compile=args.compile)
     t0 = time.perf_counter()
     hooks = build_intrinsic_hooks(cfg)
     trainer = Trainer(cfg, hooks=hooks)
@@ -266,7 +270,7 @@ def main(argv=None):
     result = {
         "frames": int(summary["frames"]), "train_s": round(train_s), "annotator": args.annotator,
         "intrinsic_reward": args.intrinsic_reward, "frames_per_update": cfg.frames_per_update, "acting": args.acting,
-        "prefetch_batches": trainer.cfg.distributed.prefetch_batches,
+        "prefetch_batches": trainer.cfg.distributed.prefetch_batches, "compile": args.compile,
         "approved_per_episode_trained": round(tr_ep, 3), "approved_per_episode_random": round(rd_ep, 3),
         "approved_per_1k_steps_trained": round(tr_k, 3), "approved_per_1k_steps_random": round(rd_k, 3),
         "ratio": round(tr_ep / max(rd_ep, 1e-9), 3), "unlabelled_captions": int(missing),

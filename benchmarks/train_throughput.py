@@ -105,7 +105,7 @@ def steady_state(rows: list) -> tuple:
 
 def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light", device: str = "auto",
         frames_per_update=None, acting: str = "workers", minibatch_size=None, intrinsic_reward: str = "none",
-        prefetch_batches=None) -> dict:
+        prefetch_batches=None, compile=None) -> dict:
     import torch
     from torchrl_oni.train import TrainConfig, Trainer
     try:
@@ -121,6 +121,8 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         extra["acting"] = acting
     if prefetch_batches is not None:
         extra["prefetch_batches"] = prefetch_batches
+    if compile:
+        extra["compile"] = compile
     if intrinsic_reward != "none":  # labels from the rules, in the trainer: the LLM's compute lives elsewhere
         extra.update(intrinsic_reward=intrinsic_reward, annotator="scripted")
     cfg = TrainConfig(frames=10**9, workers=workers, envs_per_worker=envs, rollout=rollout, arch=arch, device=device,
@@ -148,6 +150,7 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         "gpu_util": util.mean() if util is not None else None,
         "acting": {k: v for k, v in last.items() if k.startswith("acting/")},
         "prefetch_batches": getattr(trainer.cfg.distributed, "prefetch_batches", None),  # as resolved
+        "compile": getattr(trainer.cfg.ppo, "compile", None),
     }
 
 
@@ -157,7 +160,8 @@ def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
            str(args.workers), "--envs", str(args.envs), "--rollout", str(args.rollout), "--arch", args.arch,
            "--device", args.device, "--intrinsic-reward", args.intrinsic_reward, "--acting", args.acting]
     for flag, value in (("--frames-per-update", args.frames_per_update), ("--minibatch-size", args.minibatch_size),
-                        ("--prefetch-batches", args.baseline_prefetch_batches)):
+                        ("--prefetch-batches", args.baseline_prefetch_batches),
+                        ("--compile", args.baseline_compile)):
         if value is not None:  # only what was asked: the baseline's code may not know the setting
             cmd += [flag, str(value)]
     env = dict(os.environ, PYTHONPATH=os.path.abspath(code_dir) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -191,6 +195,11 @@ def main(argv=None):
                         "update's worth; 0: only when it asks)")
     p.add_argument("--baseline-prefetch-batches", type=int, default=None, metavar="N",
                    help="with --baseline-code: the baseline's --prefetch-batches (default: its own default)")
+    p.add_argument("--compile", default=None, metavar="MODE",
+                   help="the trainer's --compile (default: its own default, off); the first updates compile, and "
+                        "the steady state leaves the run's first quarter out")
+    p.add_argument("--baseline-compile", default=None, metavar="MODE",
+                   help="with --baseline-code: the baseline's --compile (default: its own default)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--baseline-code", metavar="DIR", default=None,
                    help="baseline: the same configuration run by the package in DIR (interleaved rounds)")
@@ -198,7 +207,8 @@ def main(argv=None):
     p.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)  # a --baseline-code subprocess
     args = p.parse_args(argv)
     settings = dict(frames_per_update=args.frames_per_update, acting=args.acting, minibatch_size=args.minibatch_size,
-                    intrinsic_reward=args.intrinsic_reward, prefetch_batches=args.prefetch_batches)
+                    intrinsic_reward=args.intrinsic_reward, prefetch_batches=args.prefetch_batches,
+                    compile=args.compile)
     if args.one_run:
         print(json.dumps(run(args.seconds, args.workers, args.envs, args.rollout, args.arch, args.device, **settings)))
         return 0
@@ -247,6 +257,7 @@ def main(argv=None):
         "intrinsic_reward": args.intrinsic_reward,
         "frames_per_update": args.frames_per_update or args.envs * args.rollout,
         "prefetch_batches": main_run.get("prefetch_batches"),
+        "compile": main_run.get("compile"),
         "fps_per_core": round(main_run["fps"] / (os.cpu_count() or 1)),
         "outside_loss_share": main_run["outside_loss_share"] and round(main_run["outside_loss_share"], 3),
         "stages": main_run["stages"],

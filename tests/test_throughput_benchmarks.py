@@ -84,3 +84,17 @@ def test_reward_overhead_smoke():
 def test_reward_overhead_refuses_an_unknown_type():
     out = run_script([BENCH / "reward_overhead.py", "--kinds", "classification/sideways"], timeout=120)
     assert out.returncode == 2 and "classification/sideways" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_learner_throughput_compile_smoke():
+    """--compile: a compiled row beside the eager one, its warm-up (the compilation) apart, and the
+    ratio of the two."""
+    result, table = bench_json([BENCH / "learner_throughput.py", "--seconds", "0.5", "--threads", "1",
+                                "--frames-per-update", "256", "--minibatch-size", "256", "--no-baseline",
+                                "--compile", "default"], timeout=600)
+    assert "warm-up s" in table
+    eager, compiled = result["results"]
+    assert (eager["compile"], compiled["compile"]) == ("off", "default")
+    assert compiled["fps"] > 0 and compiled["warmup_s"] > eager["warmup_s"]
+    assert result["compile_ratios"]["light 256 default"] == pytest.approx(compiled["fps"] / eager["fps"], rel=1e-2)

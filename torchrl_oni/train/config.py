@@ -120,6 +120,10 @@ def _either(names) -> str:
     return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
+# torch.compile's modes for the learner (--compile); "off": eager
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class EnvConfig:
     task: str = setting("score", "score, oracle, oracle-sober, staircase, staircase-lvl3, staircase-lvl4, "
@@ -148,6 +152,10 @@ class PPOConfig:
     max_grad_norm: float = setting(4.0, "gradient norm clip")
     minibatch_size: int = setting(1024, "steps per PPO minibatch", at_least=1, at_most=MAX_FRAMES_PER_UPDATE)
     ppo_epochs: int = setting(1, "passes over each collected batch", at_least=1)
+    compile: Literal[COMPILE_MODES] = setting(
+        "off", "torch.compile the update's critic and PPO loss (light policy; a recurrent policy's heads): default "
+        "fuses kernels, the first updates compiling for a minute or two; reduce-overhead adds CUDA graphs (GPU); "
+        "off: eager")
     frames_per_update: Optional[int] = setting(
         None, "frames per PPO update: workers' batches (envs-per-worker × rollout each) are gathered until this "
         "many, a multiple of one batch, e.g. 16384 on a GPU node (none: one batch per update)", parse=parse_count)
@@ -438,6 +446,12 @@ class TrainConfig:
             (self.acting == "workers" or get_backend(self.distributed.backend).serves_policy,
              f"--acting server needs a backend whose workers can reach a policy server here (local), not "
              f"--backend {self.distributed.backend}"),
+            (ppo.compile != "reduce-overhead" or _learner_on_gpu(self.device),
+             "--compile reduce-overhead records CUDA graphs: it needs the learner on a GPU (--device cuda); on the "
+             "CPU use --compile default"),
+            (ppo.compile == "off" or _learner_on_gpu(self.device) or _has_cxx(),
+             "--compile on the CPU needs a C++ compiler for torch.compile's kernels (g++ or clang++, or $CXX); "
+             "none was found: install one or leave --compile off"),
             (self.log.log_every >= 1 and self.log.stats_window >= 1, "--log-every and --stats-window must be at least 1"),
             (reward.extrinsic_clip >= 0, "--extrinsic-clip must be non-negative (0: no clip)"),
             (reward.count_exponent >= 0, "--count-exponent must be non-negative"),
@@ -548,6 +562,14 @@ def _learner_on_gpu(name: str) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _has_cxx() -> bool:
+    """Whether torch.compile can build CPU kernels here (a C++ compiler: $CXX, g++, clang++ or c++)."""
+    import os
+    import shutil
+
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c)
 
 
 def resolve_device(name: str) -> "torch.device":

@@ -66,10 +66,15 @@ __all__ = ["PPOLearner", "feedforward_values", "recurrent_values", "rollout_batc
 STAT_KEYS = ("loss_objective", "loss_critic", "loss_entropy", "entropy", "kl_approx", "clip_fraction", "grad_norm")
 
 
-def feedforward_values(critic, batch: TensorDictBase, value_keys: Sequence[str]) -> Optional[torch.Tensor]:
+def feedforward_values(critic, batch: TensorDictBase, value_keys: Sequence[str],
+                       pad_multiple: int = 1) -> Optional[torch.Tensor]:
     """Writes ``value_key`` and ``("next", value_key)`` into ``batch`` ``[N, T]`` with one pass
     of a feed-forward ``critic`` over the batch's observations plus the next observations that
     are not the following step's observation (episode ends and the rollout's last step).
+
+    ``pad_multiple``: the next observations are padded (with copies of the last one, whose
+    values are dropped) to a multiple of it, so that the critic sees few distinct input shapes
+    from one batch to the next (a compiled critic recompiles, or records a CUDA graph, per shape).
 
     The result equals TorchRL's ``GAE`` with its value network (up to float rounding):
     ``tests/test_learner.py`` compares them on batches with terminations and truncations.
@@ -83,15 +88,19 @@ def feedforward_values(critic, batch: TensorDictBase, value_keys: Sequence[str])
     nxt = batch.get("next").select(*keys)
     need = batch.get(("next", "done")).reshape(n, t).clone()
     need[:, -1] = True
-    inputs = torch.cat([obs.reshape(-1), nxt[need]], 0)
+    extra = nxt[need]
+    pad = -extra.shape[0] % pad_multiple
+    if pad:
+        extra = torch.cat([extra, extra[-1:].expand(pad)], 0)
+    inputs = torch.cat([obs.reshape(-1), extra], 0)
     out = critic(inputs)
     kept = out.get(value_keys[0])[: n * t] if torch.is_grad_enabled() else None
     for key in value_keys:
-        values = out.get(key).detach()
+        values = out.get(key).detach().clone()  # not a view of a compiled critic's (reused) output
         value = values[: n * t].reshape(n, t, -1)
         next_value = torch.empty_like(value)
         next_value[:, :-1] = value[:, 1:]
-        next_value[need] = values[n * t :]
+        next_value[need] = values[n * t : len(values) - pad]
         batch.set(key, value)
         batch.set(("next", key), next_value)
     return kept
@@ -198,10 +207,17 @@ class PPOLearner:
         clock: where the stage times go (a fresh :class:`StageClock` by default).
         fast_values: one critic pass per observation for feed-forward policies
             (:func:`feedforward_values`); ``False`` uses TorchRL's ``GAE`` with its value network.
+        compile_backend: ``torch.compile``'s backend where ``ppo.compile`` is on (tests use
+            ``"aot_eager"``: the same graphs, without generating code).
+
+    With ``ppo.compile`` (``--compile``), the feed-forward critic's values pass, the PPO loss and
+    a recurrent policy's heads run through ``torch.compile``; the modules themselves are not
+    replaced (checkpoints, hooks and acting copies see the same networks). A GRU's recurrent
+    pass (trajectories split at every reset) stays eager.
     """
 
     def __init__(self, actor, critic, ppo, device: torch.device, recurrent: bool = False, value_heads: int = 1,
-                 clock: Optional[StageClock] = None, fast_values: bool = True):
+                 clock: Optional[StageClock] = None, fast_values: bool = True, compile_backend: str = "inductor"):
         from torchrl.objectives import ClipPPOLoss
         from torchrl.objectives.value import GAE
 
@@ -255,6 +271,7 @@ class PPOLearner:
         self.actor_loss = None if head is None else ClipPPOLoss(
             head, None, clip_epsilon=ppo.clip_epsilon, entropy_coeff=ppo.entropy_coeff, critic_coeff=None,
             normalize_advantage=True)
+        self._compile(getattr(ppo, "compile", "off"), compile_backend)
         self.params = list(self.loss.parameters())
         if value_heads == 2:
             self.params += list(critic.parameters())
@@ -285,6 +302,30 @@ class PPOLearner:
                 self.start_state_keys = sorted({m.in_keys[1] for m in cores}, key=str)
         self._staging = None  # a pinned host copy of the last batch shape, reused (CUDA only)
         self._staged = None  # the CUDA event after which the staging copy may be overwritten
+
+    def _compile(self, mode: str, backend: str) -> None:
+        """What each stage calls: the modules, or their ``torch.compile`` (``mode`` not ``"off"``)."""
+        self.compile_mode = mode
+        self.run_loss, self.run_actor_loss, self.run_critic, self.run_critic_head = (
+            self.loss, self.actor_loss, self.critic, self.loss_critic)
+        if mode == "off":
+            return
+
+        def compiled(module):
+            options = {} if mode == "default" else {"mode": mode}
+            return None if module is None else torch.compile(module, backend=backend, **options)
+
+        self.run_actor_loss = compiled(self.actor_loss)
+        if self.recurrent:  # the heads only: the GRU's pass splits trajectories at resets
+            self.run_critic_head = compiled(self.loss_critic) if self.loss_critic is not self.critic else self.critic
+        else:
+            self.run_loss, self.run_critic = compiled(self.loss), compiled(self.critic)
+
+    def _mark_step(self) -> None:
+        """With CUDA graphs (``reduce-overhead``): a new step begins, the last one's outputs are
+        no longer read (they would otherwise be kept alive, or overwritten under the reader)."""
+        if self.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
 
     # ------------------------------------------------------------------ stages
     def to_device(self, batch: TensorDictBase) -> TensorDictBase:
@@ -361,22 +402,29 @@ class PPOLearner:
             with self.clock("forward"):
                 # the trunk's outputs stay in the batch with their graph: the loss's head reads them
                 self.trunk(batch)
-                out = self.loss_critic(batch.select("core"))
+                out = self.run_critic_head(batch.select("core"))
                 kept = out.get(self.value_keys[0])
             with self.clock("gae"):
                 _write_recurrent_values(self.critic, batch, self.value_keys, out, batch.get("core"))
         elif keep_graph:
             with self.clock("forward"):
-                kept = feedforward_values(self.critic, batch, self.value_keys)
+                kept = feedforward_values(self.run_critic, batch, self.value_keys, self._pad_multiple(batch))
         with torch.no_grad(), self.clock("gae"):
             if self.fast_values and not keep_graph:
-                values = recurrent_values if self.recurrent else feedforward_values
-                values(self.critic, batch, self.value_keys)
+                if self.recurrent:
+                    recurrent_values(self.critic, batch, self.value_keys)
+                else:
+                    feedforward_values(self.run_critic, batch, self.value_keys, self._pad_multiple(batch))
             for estimator in self.advantages:
                 estimator(batch)
             if self.value_heads == 2:
                 batch.set("advantage", batch.get("advantage_ext") + batch.get("advantage_int"))
         return kept
+
+    def _pad_multiple(self, batch: TensorDictBase) -> int:
+        """How :func:`feedforward_values` pads the next observations: to whole rows of games when
+        the critic is compiled (from N to N + its episode ends: one or two shapes a run), else not."""
+        return batch.shape[0] if self.compile_mode != "off" else 1
 
     def update(self, batch: TensorDictBase) -> Dict[str, float]:
         """One PPO update (``ppo_epochs`` passes of minibatches) on ``batch`` ``[N, T]``; returns
@@ -392,6 +440,7 @@ class PPOLearner:
             ctx = set_recurrent_mode(True)
         stats: Dict[str, List[torch.Tensor]] = {}
         reuse = self.reuses_critic_pass(batch)
+        self._mark_step()
         with ctx:
             values = self.compute_advantages(batch, keep_graph=reuse)
             with clock("minibatch"):
@@ -403,17 +452,21 @@ class PPOLearner:
                     data = batch.select(*self.minibatch_keys, strict=False).reshape(-1)
                     n_items, mb_items = data.shape[0], min(ppo.minibatch_size, data.shape[0])
             whole = mb_items >= n_items  # one minibatch: the whole batch, in any order
+            first = True
             for _ in range(ppo.ppo_epochs):
                 perm = None if whole else torch.randperm(n_items, device=self.device)
                 for start in range(0, n_items, mb_items):
                     with clock("minibatch"):
                         minibatch = data if whole else data[perm[start : start + mb_items]]
+                    if not (reuse and first):  # the reused pass's values are read by the first one
+                        self._mark_step()
+                    first = False
                     with clock("forward"):
                         if reuse:  # the critic's pass was the advantages': only its loss is left
-                            losses = self.actor_loss(minibatch)
+                            losses = self.run_actor_loss(minibatch)
                             losses.set("loss_critic", self._critic_loss({self.value_keys[0]: values}, minibatch))
                         else:
-                            losses = self.loss(minibatch)
+                            losses = self.run_loss(minibatch)
                         if self.value_heads == 2:  # whole critic: no actor pass here
                             values_td = self.critic(minibatch.select(*self.critic.in_keys, strict=False).copy())
                             losses.set("loss_critic", self._critic_loss(values_td, minibatch))

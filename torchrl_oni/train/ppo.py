@@ -229,6 +229,9 @@ class Trainer:
         self.clock = StageClock()
         self.learner = PPOLearner(self.actor, self.critic, cfg.ppo, self.device, recurrent=self.recurrent,
                                   value_heads=self.value_heads, clock=self.clock)
+        if cfg.ppo.compile != "off":
+            log.info("--compile %s: the first updates compile the critic and the loss (a minute or two on a CPU; "
+                     "once per batch shape)", cfg.ppo.compile)
         # the learner's parts, reachable as before (hooks train with the trainer's optimiser)
         self.advantages, self.loss = self.learner.advantages, self.learner.loss
         self.params, self.optimizer = self.learner.params, self.learner.optimizer
