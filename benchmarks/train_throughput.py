@@ -67,7 +67,8 @@ class _GPUUtilisation:
 
 
 class _TimeLimit:
-    """Stops the trainer after ``seconds`` by lowering its frame budget to what it has done."""
+    """Stops the trainer ``seconds`` after its first update (whose compilation, with ``--compile``,
+    can take longer than the window) by lowering its frame budget to what it has done."""
 
     name = "time_limit"
 
@@ -75,13 +76,10 @@ class _TimeLimit:
         self.seconds = seconds
         self.t0 = None
 
-    def on_batch(self, batch, trainer):
+    def after_update(self, trainer):
         if self.t0 is None:
             self.t0 = time.perf_counter()
-        return batch
-
-    def after_update(self, trainer):
-        if time.perf_counter() - self.t0 > self.seconds:
+        elif time.perf_counter() - self.t0 > self.seconds:
             trainer.cfg.frames = trainer.frames
 
 

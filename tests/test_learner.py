@@ -341,9 +341,11 @@ def test_cuda_update_equals_cpu_update(arch):
     actor, critic, batch = _rollout(arch)
     ppo = PPOConfig(minibatch_size=batch.numel(), ppo_epochs=1, lr=1e-3)
     recurrent = arch != "light"
-    cpu = PPOLearner(copy.deepcopy(actor), copy.deepcopy(critic), ppo, torch.device("cpu"), recurrent=recurrent)
-    gpu = PPOLearner(copy.deepcopy(actor).cuda(), copy.deepcopy(critic).cuda(), ppo, torch.device("cuda"),
+    # copied together: the GRU policy's actor and critic share their trunk (one pass an update)
+    cpu = PPOLearner(*copy.deepcopy((actor, critic)), ppo, torch.device("cpu"), recurrent=recurrent)
+    gpu = PPOLearner(*[m.cuda() for m in copy.deepcopy((actor, critic))], ppo, torch.device("cuda"),
                      recurrent=recurrent)
+    assert cpu.reuses_critic_pass(batch) and gpu.reuses_critic_pass(batch)
     # two updates in a row: the second batch goes through the pinned buffer the first one left
     other = _rollout(arch, seed=1)[2]
     for data in (batch, other):
