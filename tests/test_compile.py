@@ -3,15 +3,12 @@ computes — advantages, statistics and weights, update after update, on batches
 differ (the padded shapes) — on the light policy's two paths (one minibatch of the whole batch,
 several minibatches) and the GRU policy's; and a run trains with it."""
 import copy
-import shutil
 
 import pytest
 import torch
 
-from torchrl_oni.train.config import PPOConfig, TrainConfig
+from torchrl_oni.train.config import PPOConfig, TrainConfig, _has_cxx
 from torchrl_oni.train.learner import PPOLearner, feedforward_values, rollout_batch
-
-HAS_CXX = any(shutil.which(c) for c in ("g++", "clang++", "c++"))
 
 
 def _batches(arch):
@@ -78,7 +75,7 @@ def test_compiled_update_equals_eager_update(arch, minibatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_CXX, reason="inductor on the CPU needs a C++ compiler")
+@pytest.mark.skipif(not _has_cxx(), reason="inductor on the CPU needs a C++ compiler")
 def test_inductor_compiled_update_equals_eager_update():
     """The real thing (generated kernels), on the CPU defaults' path: one minibatch of the whole
     batch, two shapes of next observations."""

@@ -271,7 +271,7 @@ class PPOLearner:
         self.actor_loss = None if head is None else ClipPPOLoss(
             head, None, clip_epsilon=ppo.clip_epsilon, entropy_coeff=ppo.entropy_coeff, critic_coeff=None,
             normalize_advantage=True)
-        self._compile(getattr(ppo, "compile", "off"), compile_backend)
+        self._compile(ppo.compile, compile_backend)
         self.params = list(self.loss.parameters())
         if value_heads == 2:
             self.params += list(critic.parameters())
@@ -452,15 +452,13 @@ class PPOLearner:
                     data = batch.select(*self.minibatch_keys, strict=False).reshape(-1)
                     n_items, mb_items = data.shape[0], min(ppo.minibatch_size, data.shape[0])
             whole = mb_items >= n_items  # one minibatch: the whole batch, in any order
-            first = True
             for _ in range(ppo.ppo_epochs):
                 perm = None if whole else torch.randperm(n_items, device=self.device)
                 for start in range(0, n_items, mb_items):
                     with clock("minibatch"):
                         minibatch = data if whole else data[perm[start : start + mb_items]]
-                    if not (reuse and first):  # the reused pass's values are read by the first one
+                    if not reuse:  # a reused pass's values are read by its one minibatch: no new step
                         self._mark_step()
-                    first = False
                     with clock("forward"):
                         if reuse:  # the critic's pass was the advantages': only its loss is left
                             losses = self.run_actor_loss(minibatch)
