@@ -22,6 +22,8 @@ run is then evaluated with ``oni-eval`` (``python -m torchrl_oni.evaluate``), wh
    mean with a Student-t 95 % CI and whether that excludes 0, the exact sign-flip p and the
    seeds won; then the evaluation episodes paired by game (``oni-eval`` plays episode k of every
    run from the same game seed when their evaluation flags agree) with McNemar's exact p,
+6. once ``--frames`` was raised on a finished grid (below, frame ladders): success and deepest
+   level by frames trained, every budget's evaluations side by side,
 
 and, as its last line, one JSON object with all of it. ``ROOT/<task>/curves.png`` shows the
 learning curves of each setting as the mean over seeds with a shaded 95 % band (``oni-plot
@@ -35,6 +37,14 @@ the flags (other than ``--frames`` and settings that do not change results: devi
 server address) is refused with one line naming the differences: use another ``--root``. Ctrl-C,
 SIGTERM or SIGUSR1 are passed to the running ``oni-train`` processes, which save a checkpoint;
 ``--dry-run`` lists every run, its state and the command it needs, and runs nothing.
+
+Frame ladders. Raising ``--frames`` on a finished grid (10M, then 20M, then 50M) continues every
+run and evaluates it again; the evaluation of the smaller budget is kept beside the new one as
+``RUN/eval_<frames>.json``. Once a run has such an earlier evaluation the script also prints
+success and depth by frames trained (per setting and budget: the mean over seeds with its 95 % CI,
+and the difference with ``--baseline`` paired by seed) and draws them as ``ROOT/<task>/by_frames.png``:
+the scaling question (does a setting pull away from extrinsic-only with more frames?) answered
+from policies evaluated alike, without waiting for the last budget.
 
 Configuration. There is no sweep syntax: the grid is a list of flag sets. ``--extra "FLAGS"``
 goes to every ``oni-train`` command; ``--extra-for KEY "FLAGS"`` only to runs of one reward type
@@ -126,6 +136,9 @@ EVAL_METRICS = (
 # the eval.json fields that fix which games oni-eval plays (its module docstring): runs equal in all
 # of them played episode k from the same game seed, so their episodes pair one to one
 EVAL_GAMES = ("task", "seed", "episodes", "workers", "envs_per_worker", "max_episode_steps")
+# an eval.json replaced by the evaluation of more frames (--frames raised) is kept under this name
+EARLIER_EVAL = "eval_{frames}.json"
+EARLIER_EVAL_PATTERN = re.compile(r"eval_(\d+)\.json")
 
 
 class GridError(ValueError):
@@ -417,6 +430,7 @@ class Launcher:
         self.procs: set = set()
         self.stopped_by: Optional[int] = None
         self.launched = {"train": 0, "resume": 0, "eval": 0, "create": 0}
+        self.training: Dict[str, Run] = {}  # the runs whose oni-train runs now, by name (progress lines)
 
     def may_start(self) -> bool:
         return self.stopped_by is None and (self.deadline is None or time.monotonic() < self.deadline)
@@ -476,6 +490,25 @@ def say(line: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
+def keep_earlier_eval(run: Run) -> Optional[Path]:
+    """Renames ``RUN/eval.json`` to ``RUN/eval_<frames>.json`` when it evaluated fewer frames than
+    the run is now trained to (``--frames`` raised): the evaluation about to run replaces it, and
+    it is the grid's figure for that budget. Returns the new path, or None when nothing was kept
+    (no eval.json, or one of as many frames, e.g. evaluated with other flags: that one is redone).
+    """
+    from torchrl_oni.evaluate import EVAL_NAME
+
+    path = run.logdir / EVAL_NAME
+    result = _read_json(path)
+    frames = None if result is None else result.get("frames_trained")
+    if not isinstance(frames, int) or frames >= run.target_frames:
+        return None
+    kept = run.logdir / EARLIER_EVAL.format(frames=frames)
+    os.replace(path, kept)
+    say(f"{run.name}: the evaluation at {frames:,} frames is kept as {kept.name}")
+    return kept
+
+
 def create_untrained(run: Run) -> None:
     """The random policy: a freshly initialised checkpoint (``Trainer(cfg).save()``), no training."""
     from torchrl_oni.train import Trainer
@@ -497,7 +530,13 @@ def execute(run: Run, launcher: Launcher, args, eval_args, final: bool) -> None:
     if run.status in ("train", "resume"):
         argv = run.train_args + (["--resume"] if run.status == "resume" else [])
         say(f"{run.name}: {'continuing' if run.status == 'resume' else 'training'} ({run.target_frames:,} frames)")
-        rc = launcher.run(run.status, TRAIN_MODULE, argv, run.logdir / TRAIN_LOG)
+        with launcher.lock:
+            launcher.training[run.name] = run
+        try:
+            rc = launcher.run(run.status, TRAIN_MODULE, argv, run.logdir / TRAIN_LOG)
+        finally:
+            with launcher.lock:
+                launcher.training.pop(run.name, None)
         if rc != 0:
             run.outcome = "interrupted" if rc >= 128 or rc < 0 else "failed"
             say(f"{run.name}: oni-train {run.outcome} (exit {rc}); see {run.logdir / TRAIN_LOG}")
@@ -517,6 +556,7 @@ def execute(run: Run, launcher: Launcher, args, eval_args, final: bool) -> None:
     if not launcher.may_start():
         run.outcome = "not started"
         return
+    keep_earlier_eval(run)
     rc = launcher.run("eval", EVAL_MODULE, eval_command(run, args), run.logdir / EVAL_LOG)
     if rc != 0:
         run.outcome = "interrupted" if rc >= 128 or rc < 0 else "failed"
@@ -526,13 +566,70 @@ def execute(run: Run, launcher: Launcher, args, eval_args, final: bool) -> None:
     say(f"{run.name}: evaluated")
 
 
+def last_metrics_row(path: Path) -> Optional[Dict[str, float]]:
+    """The last complete row of a ``metrics.csv``, from its header and its last 64 KiB only (a
+    50M-frame run's file holds tens of thousands of rows); None without one."""
+    try:
+        with open(path, "rb") as f:
+            header = f.readline().decode("utf-8", "replace").rstrip("\r\n").split(",")
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    for line in reversed(tail.split("\n")[1:-1]):  # [0] may be cut by the seek, [-1] by a write in progress
+        values = line.rstrip("\r").split(",")
+        if len(values) != len(header) or values == header:
+            continue
+        try:
+            return {k: float(v) for k, v in zip(header, values) if v != ""}
+        except ValueError:
+            continue
+    return None
+
+
+def progress_line(run: Run) -> Optional[str]:
+    """``run``'s training progress from its metrics.csv: frames, share of the budget, frames/s,
+    time left at that rate.
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> _ = (d / "metrics.csv").write_text("frames,time_s,fps\\n1024,1.0,900\\n7215104,1091.8,6608.2\\n")
+        >>> run = Run("staircase", "none", None, 0, d, [], target_frames=10_000_000)
+        >>> progress_line(run)
+        'staircase/none/seed0: 7,215,104 of 10,000,000 frames (72 %), 6,608 frames/s, about 7 min left'
+    """
+    from torchrl_oni.run_folder import METRICS_NAME
+
+    row = last_metrics_row(run.logdir / METRICS_NAME)
+    if row is None or "frames" not in row:
+        return None
+    frames, fps = row["frames"], row.get("fps", 0.0)
+    line = f"{run.name}: {frames:,.0f} of {run.target_frames:,} frames ({100 * frames / max(run.target_frames, 1):.0f} %)"
+    if fps > 0:
+        left = max(run.target_frames - frames, 0) / fps
+        when = f"{left / 3600:.1f} h" if left >= 5400 else f"{max(1, round(left / 60))} min"
+        line += f", {fps:,.0f} frames/s, about {when} left"
+    return line
+
+
 def run_pool(runs: List[Run], launcher: Launcher, args, eval_args, final: bool) -> None:
-    """Executes ``runs`` ``launcher.parallel`` at a time; returns when all are over."""
+    """Executes ``runs`` ``launcher.parallel`` at a time; returns when all are over. Every
+    ``args.status_every`` seconds it says how far each training run has come (:func:`progress_line`)."""
+    every = getattr(args, "status_every", 0) or 0
+    next_status = time.monotonic() + every
     with ThreadPoolExecutor(max_workers=launcher.parallel, thread_name_prefix="grid") as pool:
         futures = [pool.submit(execute, run, launcher, args, eval_args, final) for run in runs]
         pending = set(futures)
         while pending:  # short waits: signal handlers run in this thread between them
             _, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            if every and time.monotonic() >= next_status:
+                next_status = time.monotonic() + every
+                with launcher.lock:
+                    training = list(launcher.training.values())
+                for line in filter(None, map(progress_line, training)):
+                    say(line)
     for future in futures:
         future.result()  # what went wrong in a thread (a full disk, a bug) is raised here
 
@@ -592,18 +689,8 @@ def collect_run(run: Run, args) -> dict:
            "train_time_s": None, "eval_time_s": None, "eval": {}, "curve": {}}
     result = _read_json(run.logdir / EVAL_NAME) if run.status == "done" else None
     if result is not None:
-        out["eval"] = {key: _dig(result, path) for key, path, _ in EVAL_METRICS}
-        out["eval_time_s"] = result.get("time_s")
-        out["caption_store"] = result.get("caption_store")
-        episodes = sorted(result.get("per_episode") or [], key=lambda e: e.get("episode", 0))
-        # "0110…": episode k's success, k in oni-eval's order; two runs with equal eval_games played the same games
-        out["episode_success"] = "".join("1" if e.get("success") else "0" for e in episodes)
-        out["eval_games"] = {key: result.get(key) for key in EVAL_GAMES}
-        # the diagnostics of oni-eval: how episodes ended, and its `!!` lines (reward hacking, death causes)
-        out["death_causes"] = dict(result.get("death_causes") or {})
-        out["episodes"] = _dig(result, ("success_rate", "n"))
-        out["flags"] = [*(_dig(result, ("reward_hacking", "warnings")) or []),
-                        *(_dig(result, ("death_causes_check", "warnings")) or [])]
+        out.update(eval_summary(result))
+    out["earlier_evals"] = earlier_evals(run.logdir)
     metrics = run.logdir / METRICS_NAME
     if metrics.exists():
         try:
@@ -616,6 +703,38 @@ def collect_run(run: Run, args) -> dict:
         out["curve"] = {metric: {budget_key(b): curve_value(rows, metric, b * args.frames) for b in args.budgets}
                         for metric in args.curve_metrics}
     return out
+
+
+def eval_summary(result: dict) -> dict:
+    """What the grid reads from one eval.json (:func:`collect_run`'s evaluation fields)."""
+    episodes = sorted(result.get("per_episode") or [], key=lambda e: e.get("episode", 0))
+    return {
+        "eval": {key: _dig(result, path) for key, path, _ in EVAL_METRICS},
+        "eval_time_s": result.get("time_s"),
+        "caption_store": result.get("caption_store"),
+        # "0110…": episode k's success, k in oni-eval's order; two runs with equal eval_games played the same games
+        "episode_success": "".join("1" if e.get("success") else "0" for e in episodes),
+        "eval_games": {key: result.get(key) for key in EVAL_GAMES},
+        # the diagnostics of oni-eval: how episodes ended, and its `!!` lines (reward hacking, death causes)
+        "death_causes": dict(result.get("death_causes") or {}),
+        "episodes": _dig(result, ("success_rate", "n")),
+        "flags": [*(_dig(result, ("reward_hacking", "warnings")) or []),
+                  *(_dig(result, ("death_causes_check", "warnings")) or [])],
+    }
+
+
+def earlier_evals(logdir: Path) -> List[dict]:
+    """The run's kept evaluations of smaller budgets (``eval_<frames>.json``), fewest frames first:
+    ``{"frames", "eval"}`` each, ``eval`` as :func:`collect_run` reads it."""
+    kept = []
+    for path in logdir.glob("eval_*.json"):
+        match = EARLIER_EVAL_PATTERN.fullmatch(path.name)
+        result = _read_json(path) if match else None
+        if result is None:
+            continue
+        kept.append({"frames": int(result.get("frames_trained", match.group(1))),
+                     "eval": eval_summary(result)["eval"]})
+    return sorted(kept, key=lambda e: e["frames"])
 
 
 def budget_key(fraction: float) -> str:
@@ -706,6 +825,143 @@ def paired(per_run: List[dict], baseline: str = NONE) -> List[dict]:
                 row["episodes"] = counts
             rows.append(row)
     return rows
+
+
+def budget_of(frames: int) -> int:
+    """``frames`` to 3 significant digits: the runs of one ``--frames`` stop a batch or so past it.
+
+    Example:
+        >>> budget_of(10_000_384), budget_of(3_000_320), budget_of(2048)
+        (10000000, 3000000, 2050)
+    """
+    return int(float(f"{int(frames):.3g}"))
+
+
+def short_count(n: int) -> str:
+    """``n`` as the grid's flags write it.
+
+    Example:
+        >>> short_count(10_000_000), short_count(2_050), short_count(512)
+        ('10M', '2.05k', '512')
+    """
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+# what the by-frames table follows: the task's success, and the deepest level reached, which moves
+# long before success does on staircase-lvl3 (reach dungeon level 3)
+FRAMES_METRICS = (("success", "success", 3), ("max_dlvl", "max dlvl", 2))
+
+
+def by_frames(per_run: List[dict], baseline: str = NONE) -> List[dict]:
+    """Success and depth at every budget the grid was run to, from the current and the kept
+    earlier evaluations (:func:`earlier_evals`); [] when no run has an earlier one.
+
+    One row per task × budget × setting, with for each of :data:`FRAMES_METRICS` the
+    :func:`mean_ci` over the seeds evaluated at that budget (``eval``) and the
+    :func:`paired_difference` with ``baseline`` on the seeds both were evaluated at that budget
+    (``vs_baseline``; None for the baseline itself or without a common seed).
+    """
+    from torchrl_oni.stats import mean_ci, paired_difference
+
+    if not any(r.get("earlier_evals") for r in per_run):
+        return []
+    points: Dict[tuple, Dict[str, Dict[int, dict]]] = {}  # (task, budget) -> setting -> seed -> eval
+    for r in per_run:
+        evals = list(r.get("earlier_evals") or [])
+        if r["status"] == "done" and r["frames"]:
+            evals.append({"frames": r["frames"], "eval": r["eval"]})
+        for e in evals:
+            if e["eval"].get("success") is not None:
+                budget = (r["task"], budget_of(e["frames"]))
+                points.setdefault(budget, {}).setdefault(r["setting"], {})[r["seed"]] = e["eval"]
+    tasks = list(dict.fromkeys(r["task"] for r in per_run))
+    settings = list(dict.fromkeys(r["setting"] for r in per_run))
+    rows = []
+    for (task, budget) in sorted(points, key=lambda k: (tasks.index(k[0]), k[1])):
+        group = points[(task, budget)]
+        base = group.get(baseline, {})
+        for setting in (s for s in settings if s in group):
+            mine = group[setting]
+            common = [k for k in sorted(mine) if k in base] if setting != baseline else []
+            row = {"task": task, "frames": budget, "setting": setting, "seeds": sorted(mine), "baseline": baseline,
+                   "eval": {}, "vs_baseline": {}}
+            for key, _, _ in FRAMES_METRICS:
+                row["eval"][key] = mean_ci([mine[k][key] for k in sorted(mine) if mine[k].get(key) is not None])
+                pairs = [(mine[k][key], base[k][key]) for k in common
+                         if mine[k].get(key) is not None and base[k].get(key) is not None]
+                row["vs_baseline"][key] = paired_difference(*zip(*pairs)) if pairs else None
+            rows.append(row)
+    return rows
+
+
+def _difference_cell(d: Optional[dict], digits: int) -> str:
+    """``+mean ±half-width*`` of a :func:`paired_difference` (``*``: its 95 % CI excludes 0)."""
+    if d is None:
+        return "-"
+    text = f"{d['mean']:+.{digits}f}"
+    if d["ci95"] is not None:
+        text += f" ±{(d['ci95'][1] - d['ci95'][0]) / 2:.{digits}f}"
+    return text + ("*" if d["excludes_zero"] else "")
+
+
+def format_by_frames(rows: List[dict]) -> List[str]:
+    """The by-frames table's lines (none when no run was evaluated at an earlier budget)."""
+    if not rows:
+        return []
+    baseline = rows[0]["baseline"]
+    width = max(len(f"{r['task']} / {r['setting']}") for r in rows) + 2
+    heads = "".join(f"{head:>16}{'vs ' + baseline:>18}" for _, head, _ in FRAMES_METRICS)
+    lines = ["", f"By frames trained (every budget the grid was run to: earlier evaluations are kept as "
+                 f"eval_<frames>.json): mean over seeds ±half-width of its 95 % CI (Student's t); the difference "
+                 f"with {baseline} paired by seed, * where its CI excludes 0",
+             f"{'task / setting':<{width}}{'frames':>10}{'seeds':>7}{heads}"]
+    for r in rows:
+        cells = "".join(f"{_cell(r['eval'][key], digits):>16}{_difference_cell(r['vs_baseline'][key], digits):>18}"
+                        for key, _, digits in FRAMES_METRICS)
+        lines.append(f"{r['task'] + ' / ' + r['setting']:<{width}}{short_count(r['frames']):>10}{len(r['seeds']):>7}"
+                     f"{cells}")
+    return lines
+
+
+def plot_by_frames(rows: List[dict], root: Path) -> List[str]:
+    """``ROOT/<task>/by_frames.png``: each setting's mean success and depth at each budget with
+    95 % CIs as error bars, for the tasks evaluated at two budgets or more."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    written = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        mine = [r for r in rows if r["task"] == task]
+        if len({r["frames"] for r in mine}) < 2:
+            continue
+        fig = Figure(figsize=(11, 4.2))
+        FigureCanvasAgg(fig)
+        for i, (key, head, _) in enumerate(FRAMES_METRICS):
+            ax = fig.add_subplot(1, len(FRAMES_METRICS), i + 1)
+            for setting in dict.fromkeys(r["setting"] for r in mine):
+                pts = sorted((r["frames"], r["eval"][key]) for r in mine if r["setting"] == setting
+                             and r["eval"][key]["n"])
+                if not pts:
+                    continue
+                lo = [0.0 if st["ci95"] is None else st["mean"] - st["ci95"][0] for _, st in pts]
+                hi = [0.0 if st["ci95"] is None else st["ci95"][1] - st["mean"] for _, st in pts]
+                ax.errorbar([f for f, _ in pts], [st["mean"] for _, st in pts], yerr=[lo, hi], marker="o",
+                            capsize=3, label=f"{setting} ({max(st['n'] for _, st in pts)} seeds)")
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: short_count(int(x)) if x >= 0 else ""))
+            ax.set_xlabel("frames trained")
+            ax.set_ylabel(f"{head} (oni-eval)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"{task}: by frames trained, mean and 95 % CI over seeds")
+        out = Path(root) / task / "by_frames.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100, bbox_inches="tight")
+        written.append(str(out))
+    return written
 
 
 def format_paired(rows: List[dict]) -> List[str]:
@@ -843,6 +1099,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="metrics.csv columns read at the budgets (default: episode/success)")
     p.add_argument("--parallel", type=int, default=1, help="commands run at once (default: 1)")
     p.add_argument("--seconds", type=float, default=None, help="start no new command after this many seconds")
+    p.add_argument("--status-every", type=float, default=600, metavar="SECONDS",
+                   help="say how far each training run has come (frames, frames/s, time left) this often; "
+                        "0: never (default: %(default)g)")
     p.add_argument("--smooth", type=int, default=1, help="moving average of the figures' curves, in logged rows")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="no figures")
     p.add_argument("--dry-run", action="store_true", help="list the runs, their state and commands; run nothing")
@@ -886,6 +1145,8 @@ def check_args(args) -> None:
         raise GridError("--budgets are fractions of --frames in (0, 1]")
     if args.seconds is not None and args.seconds < 0:
         raise GridError("--seconds must be non-negative")
+    if args.status_every < 0:
+        raise GridError("--status-every must be non-negative")
 
 
 def plan(args):
@@ -978,8 +1239,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     per_run = [collect_run(r, args) for r in runs]
     rows = aggregate(per_run, args)
     paired_rows = paired(per_run, args.baseline)
+    frames_rows = by_frames(per_run, args.baseline)
     figures = make_figures(runs, args) if args.plot else []
-    print("\n".join([format_tables(rows, per_run, args)] + format_paired(paired_rows)))
+    if args.plot and frames_rows:
+        figures += plot_by_frames(frames_rows, args.root)
+    print("\n".join([format_tables(rows, per_run, args)] + format_paired(paired_rows) + format_by_frames(frames_rows)))
     summary = {
         "benchmark": "sparse_tasks",
         "root": str(args.root),
@@ -991,6 +1255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "budgets": args.budgets,
         "rows": rows,
         "paired": paired_rows,
+        "by_frames": frames_rows,
         "runs": per_run,
         "launched": launcher.launched,
         "done": sum(r.status == "done" for r in runs),

@@ -124,6 +124,14 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
     frames = [float(line.split(",")[0]) for line in (runs["none"] / "metrics.csv").read_text().splitlines()[1:]]
     assert frames[0] == 128 and frames[-1] == 4096 and frames == sorted(frames)
     assert json.loads((runs["none"] / "eval.json").read_text())["frames_trained"] == 4096
+    # the evaluation of the 2,048-frame budget is kept beside the new one, and reported by frames
+    [kept] = runs["none"].glob("eval_*.json")
+    assert kept.name == f"eval_{evals['none']['frames_trained']}.json"
+    assert json.loads(kept.read_text()) == evals["none"]
+    assert [(r["setting"], r["frames"], r["seeds"]) for r in summary["by_frames"]] == [
+        ("none", grid.budget_of(evals["none"]["frames_trained"]), [0]), ("none", grid.budget_of(4096), [0])]
+    assert summary["by_frames"][0]["eval"]["success"]["mean"] == evals["none"]["success_rate"]["mean"]
+    assert summary["by_frames"][0]["eval"]["max_dlvl"]["mean"] == evals["none"]["max_dlvl"]["mean"]
 
 
 # ---------------------------------------------------------------------- fast: planning, errors, aggregation
@@ -240,6 +248,7 @@ def test_extra_for_an_annotator_reaches_only_the_runs_it_labels(grid, tmp_path, 
         (["--rewards", "nope"], "unknown reward 'nope'"),
         (["--budgets", "0"], "--budgets are fractions"),
         (["--parallel", "0"], "--parallel must be at least 1"),
+        (["--status-every", "-1"], "--status-every must be non-negative"),
         (["--frames", "lots"], "--frames"),
         (["--variant", "Bad Name", "--lr 1"], "--variant: 'Bad Name' must be a new name"),
         (["--variant", "a", "--lr 1", "--variant", "a", "--lr 2"], "--variant: 'a' must be a new name"),
@@ -394,6 +403,120 @@ def test_paired_analysis_does_not_pair_episodes_of_different_games(grid):
     assert row["episodes"] is None and "seed(s) 0" in row["episodes_unpaired"]
     assert "not paired" in "\n".join(grid.format_paired([row]))
     assert grid.paired([_evaluated("retrieval-llm", 0, "1100")]) == []  # no baseline in the grid
+
+
+def _run_folder(grid, tmp_path, target):
+    return grid.Run(task="staircase", reward="none", annotator=None, seed=0, logdir=tmp_path,
+                    train_args=[], target_frames=target)
+
+
+def test_an_evaluation_of_fewer_frames_is_kept_before_the_next_one(grid, tmp_path):
+    run = _run_folder(grid, tmp_path, target=4096)
+    assert grid.keep_earlier_eval(run) is None  # no eval.json yet
+    first = {"frames_trained": 2048, "success_rate": {"mean": 0.25, "n": 4}}
+    (tmp_path / "eval.json").write_text(json.dumps(first))
+    kept = grid.keep_earlier_eval(run)
+    assert kept == tmp_path / "eval_2048.json" and not (tmp_path / "eval.json").exists()
+    assert json.loads(kept.read_text()) == first
+    # an evaluation of as many frames (other --episodes, say) is redone in place, not kept
+    (tmp_path / "eval.json").write_text(json.dumps({"frames_trained": 4096}))
+    assert grid.keep_earlier_eval(run) is None and (tmp_path / "eval.json").exists()
+    (tmp_path / "eval_junk.json").write_text("{}")  # not a budget: ignored
+    (tmp_path / "eval_1024.json").write_text("not json")  # unreadable: ignored
+    [earlier] = grid.earlier_evals(tmp_path)
+    assert earlier["frames"] == 2048 and earlier["eval"]["success"] == 0.25
+
+
+def test_by_frames_pairs_each_budget_and_matches_a_reference(grid, tmp_path):
+    from scipy import stats as scipy_stats
+
+    def ladder(setting, seed, successes, depths):
+        """A run evaluated at 1M and 2M frames (kept), then at 4M (current)."""
+        run = _per_run("staircase", setting, seed, "done", successes[-1], 0.0, 0.0)
+        run["eval"]["max_dlvl"] = depths[-1]
+        run["frames"] = 4_000_128
+        run["earlier_evals"] = [{"frames": f, "eval": {"success": x, "max_dlvl": d}}
+                                for f, x, d in zip((1_000_064, 2_000_128), successes[:2], depths[:2])]
+        return run
+
+    oni = [[0.0, 0.25, 0.5], [0.0, 0.5, 0.75], [0.25, 0.5, 0.5]]
+    none = [[0.0, 0.0, 0.25], [0.0, 0.25, 0.25], [0.0, 0.0, 0.0]]
+    oni_depth = [[1.0, 1.5, 2.0], [1.1, 1.7, 2.5], [1.2, 1.6, 2.2]]
+    none_depth = [[1.0, 1.1, 1.2], [1.0, 1.3, 1.1], [1.1, 1.0, 1.4]]
+    per_run = [ladder("retrieval-llm", k, x, d) for k, (x, d) in enumerate(zip(oni, oni_depth))]
+    per_run += [ladder("none", k, x, d) for k, (x, d) in enumerate(zip(none, none_depth))]
+    per_run[0]["earlier_evals"].pop(0)  # seed 0 of ONI was not evaluated at 1M: that budget has 2 pairs
+    per_run.append(_per_run("staircase", "none", 7, "resume", None, None, 0.0))  # nothing evaluated: left out
+    rows = grid.by_frames(per_run)
+    assert [(r["frames"], r["setting"], r["seeds"]) for r in rows] == [
+        (1_000_000, "retrieval-llm", [1, 2]), (1_000_000, "none", [0, 1, 2]),
+        (2_000_000, "retrieval-llm", [0, 1, 2]), (2_000_000, "none", [0, 1, 2]),
+        (4_000_000, "retrieval-llm", [0, 1, 2]), (4_000_000, "none", [0, 1, 2])]
+    for row, budget in zip(rows[2::2], (1, 2)):
+        for key, mine, base in (("success", oni, none), ("max_dlvl", oni_depth, none_depth)):
+            a, b = [x[budget] for x in mine], [x[budget] for x in base]
+            ci = scipy_stats.ttest_rel(a, b).confidence_interval()
+            assert row["eval"][key]["mean"] == pytest.approx(sum(a) / 3)
+            assert row["vs_baseline"][key]["mean"] == pytest.approx(sum(a) / 3 - sum(b) / 3)
+            assert row["vs_baseline"][key]["ci95"] == pytest.approx([ci.low, ci.high], abs=1e-3)
+    assert rows[0]["vs_baseline"]["success"]["n"] == 2  # 1M: ONI's seeds 1 and 2 against theirs
+    assert rows[1]["vs_baseline"] == {"success": None, "max_dlvl": None}  # the baseline's own row
+    text = "\n".join(grid.format_by_frames(rows))
+    assert "By frames trained" in text and "vs none" in text
+    line = next(l for l in text.splitlines() if l.startswith("staircase / retrieval-llm") and " 2M " in l)
+    half = T975[2] * math.sqrt(1 / 48) / math.sqrt(3)  # success and its difference: both sd 0.144 over 3 seeds
+    depth = rows[2]["vs_baseline"]["max_dlvl"]
+    assert line.split()[3:9] == ["2M", "3", "0.417", f"±{half:.3f}", "+0.333", f"±{half:.3f}"], line
+    assert line.split()[-1] == f"±{(depth['ci95'][1] - depth['ci95'][0]) / 2:.2f}*"  # depth: CI excludes 0
+    [figure] = grid.plot_by_frames(rows, tmp_path)
+    assert figure == str(tmp_path / "staircase" / "by_frames.png")
+    assert Path(figure).read_bytes()[:4] == b"\x89PNG"
+    assert grid.plot_by_frames([r for r in rows if r["frames"] == 1_000_000], tmp_path / "one") == []
+    # without an earlier evaluation the table would repeat the main one: nothing
+    for run in per_run:
+        run["earlier_evals"] = []
+    assert grid.by_frames(per_run) == [] and grid.format_by_frames([]) == []
+
+
+def test_the_last_complete_metrics_row_is_read_from_the_tail(grid, tmp_path):
+    path = tmp_path / "metrics.csv"
+    assert grid.last_metrics_row(path) is None  # no file
+    path.write_text("frames,time_s,fps\n")
+    assert grid.last_metrics_row(path) is None  # a header alone
+    rows = "".join(f"{128 * i},{i}.0,{1000 + i}\n" for i in range(1, 20_000))  # far over the 64 KiB read
+    path.write_text("frames,time_s,fps\n" + rows + "2560128,20000.0,99")  # the last line being written
+    assert grid.last_metrics_row(path) == {"frames": 128 * 19_999, "time_s": 19_999.0, "fps": 20_999.0}
+    path.write_text("frames,time_s,fps,episode/success\n128,1.0,900,\n256,2.0,950,0.5\n")
+    assert grid.last_metrics_row(path) == {"frames": 256, "time_s": 2.0, "fps": 950.0, "episode/success": 0.5}
+    path.write_text("frames,time_s,fps\n128,1.0,900\n256,2.0\n")  # a short row is skipped, not misread
+    assert grid.last_metrics_row(path) == {"frames": 128, "time_s": 1.0, "fps": 900.0}
+
+
+def test_progress_lines_of_the_training_runs(grid, tmp_path, capsys):
+    run = _run_folder(grid, tmp_path, target=100_000_000)
+    assert grid.progress_line(run) is None  # nothing logged yet
+    (tmp_path / "metrics.csv").write_text("frames,time_s,fps\n10000000,1200.0,8000\n")
+    assert grid.progress_line(run) == ("staircase/none/seed0: 10,000,000 of 100,000,000 frames (10 %), "
+                                       "8,000 frames/s, about 3.1 h left")
+
+    class Args:  # one command that outlives a status interval
+        status_every = 0.2
+
+    class Slow:
+        parallel = 1
+        lock = grid.threading.RLock()
+        training = {run.name: run}
+
+    import time as _time
+    from unittest import mock
+    with mock.patch.object(grid, "execute", lambda *a: _time.sleep(0.8)):
+        grid.run_pool([run], Slow, Args, None, final=True)
+    lines = [l for l in capsys.readouterr().err.splitlines() if "10,000,000 of 100,000,000" in l]
+    assert 1 <= len(lines) <= 4, lines
+    Args.status_every = 0
+    with mock.patch.object(grid, "execute", lambda *a: _time.sleep(0.8)):
+        grid.run_pool([run], Slow, Args, None, final=True)
+    assert "frames/s" not in capsys.readouterr().err
 
 
 def test_curve_values_are_read_at_the_budgets(grid, tmp_path):
