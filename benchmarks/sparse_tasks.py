@@ -897,14 +897,14 @@ def by_frames(per_run: List[dict], baseline: str = NONE) -> List[dict]:
     return rows
 
 
-def _difference_cell(d: Optional[dict], digits: int) -> str:
-    """``+mean ±half-width*`` of a :func:`paired_difference` (``*``: its 95 % CI excludes 0)."""
+def _difference_cell(d: Optional[dict], digits: int, star: bool = True) -> str:
+    """``+mean ±half-width*`` of a :func:`paired_difference` (``*`` with ``star``: its 95 % CI excludes 0)."""
     if d is None:
         return "-"
     text = f"{d['mean']:+.{digits}f}"
     if d["ci95"] is not None:
         text += f" ±{(d['ci95'][1] - d['ci95'][0]) / 2:.{digits}f}"
-    return text + ("*" if d["excludes_zero"] else "")
+    return text + ("*" if star and d["excludes_zero"] else "")
 
 
 def format_by_frames(rows: List[dict]) -> List[str]:
@@ -977,7 +977,7 @@ def format_paired(rows: List[dict]) -> List[str]:
              f"{'won/lost':>10}{'episodes':>10}{'both/only s/only b':>20}{'p (episodes)':>14}"]
     for r in rows:
         d = r["success"]
-        diff = f"{d['mean']:+.3f}" + ("" if d["ci95"] is None else f" ±{(d['ci95'][1] - d['ci95'][0]) / 2:.3f}")
+        diff = _difference_cell(d, 3, star=False)  # the table has its own "CI excl. 0" column
         won = f"{d['wins'][0]}/{d['wins'][1]}"
         e = r["episodes"]
         eps = ("-", "not paired", "-") if e is None else (
