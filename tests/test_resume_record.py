@@ -169,3 +169,26 @@ def test_remove_stale_temps_cleans_only_interrupted_atomic_writes(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(keep + [".captions.pt.abc.tmp"])
     assert (tmp_path / "checkpoint.pt").read_bytes() == b"the good one"
     assert remove_stale_temps(tmp_path / "missing") == []
+
+
+def test_tensorboard_gets_every_value_of_a_row_at_its_frames(tmp_path):
+    """A row goes to TensorBoard as one event holding every value (one write per row, not per
+    metric); TensorBoard's own reader finds each metric at the row's frames, and a repeated final
+    row adds only the values that changed."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = RunLogger(str(tmp_path), tensorboard=True)
+    logger.log({"frames": 512, "time_s": 2.0, "fps": 900.0, "loss/policy": -0.25})
+    logger.log({"frames": 1024, "time_s": 4.0, "fps": 950.0, "loss/policy": 0.5, "episode/return": 3.5})
+    logger.log({"frames": 1024, "time_s": 4.0, "fps": 950.0, "labels/labelled": 7.0})  # the final row
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "oni"))  # TorchRL's logger: <log_dir>/<exp_name>
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert scalars == {
+        "time_s": [(512, 2.0), (1024, 4.0)],
+        "fps": [(512, 900.0), (1024, 950.0)],
+        "loss/policy": [(512, -0.25), (1024, 0.5)],
+        "episode/return": [(1024, 3.5)],
+        "labels/labelled": [(1024, 7.0)],
+    }

@@ -49,6 +49,27 @@ def test_retrieval_scripted_labels_land_and_pay(tmp_path):
         assert float(line.split("\t")[2]) == 1.0
 
 
+def test_top_messages_is_rewritten_every_few_seconds_and_at_the_end(tmp_path):
+    """top_messages.txt is for a person: rewritten at the first metrics row, then at most every
+    TOP_MESSAGES_EVERY_S seconds, and by the run's last row (after close) whatever the clock."""
+    from torchrl_oni.train import intrinsic
+
+    hook = intrinsic.IntrinsicRewardHook(TrainConfig(intrinsic_reward="retrieval", annotator="scripted",
+                                                     logdir=str(tmp_path), progress=False, tensorboard=False))
+    written, now = [], [1000.0]
+    hook._clock = lambda: now[0]
+    hook._window.write_top = lambda path, kind: written.append(now[0])
+    try:
+        for dt in (0.0, 1.0, 3.0, intrinsic.TOP_MESSAGES_EVERY_S, 1.0):
+            now[0] += dt
+            hook.metrics()
+    finally:
+        hook.close()
+    assert written == [1000.0, 1000.0 + 4.0 + intrinsic.TOP_MESSAGES_EVERY_S]
+    hook.metrics()  # the run's last row
+    assert len(written) == 3
+
+
 def test_classification_trains_reward_model_between_iterations(tmp_path):
     logdir, rows = _run(tmp_path, "--intrinsic-reward", "classification", "--annotator", "scripted",
                         "--rm-steps-per-labels", "4", "--rm-batch-size", "32",

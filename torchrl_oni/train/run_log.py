@@ -159,10 +159,10 @@ class RunLogger:
             else:
                 with open(self.csv_path, "a", newline="") as f:
                     csv.DictWriter(f, self.columns).writerow(clean)
+        values = {k: v for k, v in changed.items() if k != FRAMES}
         for backend in self.backends:
-            for k, v in changed.items():
-                if k != FRAMES:
-                    backend.log_scalar(k, v, step=step)
+            if values:
+                _log_row(backend, values, step)
 
     def _rewrite(self) -> None:
         text = io.StringIO()
@@ -182,6 +182,22 @@ class RunLogger:
                     except Exception:
                         pass
                     break
+
+
+def _log_row(backend, values: Dict[str, float], step: int) -> None:
+    """One row to one backend in one write. TensorBoard: one event holding every value (what
+    ``add_scalar`` writes, one value at a time: ~100 events a row cost a CPU trainer 3.5 ms an
+    update, most of it handing each event to the writer thread). wandb: one history row
+    (``log_metrics``), not one per metric."""
+    from torchrl.record.loggers import TensorboardLogger
+
+    if isinstance(backend, TensorboardLogger):
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        backend.experiment._get_file_writer().add_summary(summary, step)
+    else:
+        backend.log_metrics(values, step=step)
 
 
 def _finite_number(v) -> bool:
