@@ -15,7 +15,8 @@ and the share outside the loss's forward/backward, and the GPU's utilisation sam
 second (``nvidia-smi``) when the learner is on CUDA.
 
 Usage: ``python benchmarks/train_throughput.py --seconds 120 [--workers 2] [--envs 32]
-[--frames-per-update 16384] [--acting server] [--baseline-code DIR --rounds 3]``
+[--frames-per-update 16384] [--acting server] [--task staircase-lvl3] [--baseline-code DIR --rounds 3]``;
+what a reward type costs: ``--intrinsic-reward retrieval --baseline-code . --baseline-intrinsic-reward none``
 Last line: one JSON object with ``fps``, ``collect_fraction``, ``baseline_fps``, ``ratio``,
 ``stages`` and ``gpu_util``.
 """
@@ -103,7 +104,7 @@ def steady_state(rows: list) -> tuple:
 
 def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light", device: str = "auto",
         frames_per_update=None, acting: str = "workers", minibatch_size=None, intrinsic_reward: str = "none",
-        prefetch_batches=None, compile=None) -> dict:
+        prefetch_batches=None, compile=None, task=None) -> dict:
     import torch
     from torchrl_oni.train import TrainConfig, Trainer
     try:
@@ -121,6 +122,8 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         extra["prefetch_batches"] = prefetch_batches
     if compile:
         extra["compile"] = compile
+    if task:
+        extra["task"] = task
     if intrinsic_reward != "none":  # labels from the rules, in the trainer: the LLM's compute lives elsewhere
         extra.update(intrinsic_reward=intrinsic_reward, annotator="scripted")
     cfg = TrainConfig(frames=10**9, workers=workers, envs_per_worker=envs, rollout=rollout, arch=arch, device=device,
@@ -156,10 +159,11 @@ def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
     """The same measurement by the package in ``code_dir`` (a subprocess with it first on the path)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one-run", "--seconds", str(seconds), "--workers",
            str(args.workers), "--envs", str(args.envs), "--rollout", str(args.rollout), "--arch", args.arch,
-           "--device", args.device, "--intrinsic-reward", args.intrinsic_reward, "--acting", args.acting]
+           "--device", args.device, "--intrinsic-reward", args.baseline_intrinsic_reward or args.intrinsic_reward,
+           "--acting", args.acting]
     for flag, value in (("--frames-per-update", args.frames_per_update), ("--minibatch-size", args.minibatch_size),
                         ("--prefetch-batches", args.baseline_prefetch_batches),
-                        ("--compile", args.baseline_compile)):
+                        ("--compile", args.baseline_compile), ("--task", args.task)):
         if value is not None:  # only what was asked: the baseline's code may not know the setting
             cmd += [flag, str(value)]
     env = dict(os.environ, PYTHONPATH=os.path.abspath(code_dir) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -188,6 +192,10 @@ def main(argv=None):
     p.add_argument("--intrinsic-reward", default="none",
                    help="an intrinsic reward type (retrieval, classification, ...), labelled by the rules annotator "
                         "in the trainer (default none)")
+    p.add_argument("--baseline-intrinsic-reward", default=None, metavar="TYPE",
+                   help="with --baseline-code: the baseline's --intrinsic-reward (default: the same); with "
+                        "--baseline-code . it measures what a reward type costs, in interleaved rounds")
+    p.add_argument("--task", default=None, help="the task (default: the trainer's, score)")
     p.add_argument("--prefetch-batches", type=int, default=None,
                    help="batches the trainer takes from the workers while it learns (default: the trainer's, one "
                         "update's worth; 0: only when it asks)")
@@ -206,7 +214,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     settings = dict(frames_per_update=args.frames_per_update, acting=args.acting, minibatch_size=args.minibatch_size,
                     intrinsic_reward=args.intrinsic_reward, prefetch_batches=args.prefetch_batches,
-                    compile=args.compile)
+                    compile=args.compile, task=args.task)
     if args.one_run:
         print(json.dumps(run(args.seconds, args.workers, args.envs, args.rollout, args.arch, args.device, **settings)))
         return 0
@@ -235,7 +243,9 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     print(f"\nPPO end to end, {args.arch} policy, {os.cpu_count()} cores, learner on {device}, rollout {args.rollout}, "
           f"acting on {args.acting}, {args.frames_per_update or args.envs * args.rollout} frames per update, "
-          f"intrinsic reward {args.intrinsic_reward}")
+          f"intrinsic reward {args.intrinsic_reward}"
+          + (f" (baseline: {args.baseline_intrinsic_reward})" if args.baseline_intrinsic_reward else "")
+          + (f", task {args.task}" if args.task else ""))
     print(f"{'configuration':<40} {'frames/s':>10} {'incl. start':>12} {'waiting for data':>17} {'GPU busy':>9}")
     for name, r in rows:
         util = "" if r.get("gpu_util") is None else f"{r['gpu_util']:.0f} %"
@@ -253,6 +263,8 @@ def main(argv=None):
         "arch": args.arch,
         "acting": args.acting,
         "intrinsic_reward": args.intrinsic_reward,
+        "baseline_intrinsic_reward": args.baseline_intrinsic_reward,
+        "task": args.task,
         "frames_per_update": args.frames_per_update or args.envs * args.rollout,
         "prefetch_batches": main_run.get("prefetch_batches"),
         "compile": main_run.get("compile"),
@@ -266,6 +278,7 @@ def main(argv=None):
         out["rounds_baseline_fps"] = [round(r["fps"]) for r in theirs]
     if base:
         out["baseline_fps"] = round(base["fps"])
+        out["baseline_stages"] = base.get("stages")
         out["ratio"] = round(main_run["fps"] / max(base["fps"], 1e-9), 3)
     print(json.dumps(out))
     return 0

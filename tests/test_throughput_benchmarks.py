@@ -50,6 +50,19 @@ def test_train_throughput_against_baseline_settings_smoke():
     assert "--baseline-code" in table
 
 
+def test_train_throughput_prices_a_reward_type_on_a_task_smoke():
+    """What ONI-Retrieval costs, in one run: this code with it against the same code without it
+    (--baseline-intrinsic-reward none), on the task asked for; the hooks run on one side only."""
+    root = str(BENCH.parent)
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "16", "--workers", "1", "--envs", "4",
+                                "--frames-per-update", "256", "--task", "staircase-lvl3", "--intrinsic-reward",
+                                "retrieval", "--baseline-code", root, "--baseline-intrinsic-reward", "none"])
+    assert result["task"] == "staircase-lvl3" and result["baseline_intrinsic_reward"] == "none"
+    assert result["stages"]["hooks"] > 10 * result["baseline_stages"]["hooks"]
+    assert result["ratio"] == pytest.approx(result["fps"] / result["baseline_fps"], rel=0.01)
+    assert "(baseline: none), task staircase-lvl3" in table
+
+
 def test_drop_in_overhead_smoke():
     result, table = bench_json([BENCH / "drop_in_overhead.py", "--seconds", "1.5", "--rounds", "1"])
     assert "+ oni_transforms" in table
