@@ -462,32 +462,47 @@ class EpisodeAssembler:
         died = np.asarray(died, dtype=bool).reshape(hashes.shape)
         traj = None if traj_ids is None else np.asarray(traj_ids, dtype=np.int64).reshape(hashes.shape)
         self._batches += 1
+        R, T = hashes.shape
+        # segments: runs of a row's steps with one trajectory and no episode end inside; found for
+        # the whole batch at once (the Python loop below goes over segments, not over numpy calls
+        # per row: ~0.1 ms per 100 rows where a loop of numpy calls per row took ~6)
+        starts = np.zeros((R, T), dtype=bool)
+        starts[:, 0] = True
+        starts[:, 1:] = done[:, :-1]
+        if traj is not None:
+            starts[:, 1:] |= traj[:, 1:] != traj[:, :-1]
+        seg_start = np.flatnonzero(starts.reshape(-1))
+        seg_end = np.append(seg_start[1:], R * T)
+        last = seg_end - 1
+        seg_done = done.reshape(-1)[last].tolist()
+        seg_died = died.reshape(-1)[last].tolist()
+        seg_len = (seg_end - seg_start).tolist()
+        keys = (traj.reshape(-1)[seg_start].tolist() if traj is not None
+                else [("row", r) for r in (seg_start // T).tolist()])
+        kept = np.flatnonzero(hashes.reshape(-1) != self.empty_hash)  # steps with a caption
+        seg_of = np.searchsorted(seg_start, kept, side="right") - 1
+        cut = np.searchsorted(seg_of, np.arange(1, len(seg_start)))
+        h_parts = np.split(hashes.reshape(-1)[kept], cut)
+        p_parts = np.split(paid.reshape(-1)[kept], cut)
+        s_parts = np.split(kept - seg_start[seg_of], cut)  # the step within the segment
         finished = 0
-        nonempty = hashes != self.empty_hash
-        for r in range(hashes.shape[0]):
-            cuts = set((np.flatnonzero(done[r, :-1]) + 1).tolist())
-            if traj is not None:
-                cuts.update((np.flatnonzero(traj[r, 1:] != traj[r, :-1]) + 1).tolist())
-            start = 0
-            for end in sorted(cuts) + [T]:
-                key = int(traj[r, start]) if traj is not None else ("row", r)
-                entry = self._open.get(key)
-                if entry is None:
-                    entry = self._open[key] = [[], [], [], 0, 0]
-                keep = np.flatnonzero(nonempty[r, start:end])
-                if len(keep):
-                    entry[0].append(hashes[r, start + keep])
-                    entry[1].append(paid[r, start + keep])
-                    entry[2].append(entry[3] + keep)
-                entry[3] += end - start
-                entry[4] = self._batches
-                if done[r, end - 1]:
-                    del self._open[key]
-                    cat = (lambda chunks, dtype: np.concatenate(chunks) if chunks else np.zeros(0, dtype))
-                    self.tally.add_episode(cat(entry[0], np.int64), cat(entry[1], np.float64),
-                                           cat(entry[2], np.int64), entry[3], bool(died[r, end - 1]))
-                    finished += 1
-                start = end
+        open_, batch = self._open, self._batches
+        for k, key in enumerate(keys):
+            entry = open_.get(key)
+            if entry is None:
+                entry = open_[key] = [[], [], [], 0, 0]
+            if len(h_parts[k]):
+                entry[0].append(h_parts[k])
+                entry[1].append(p_parts[k])
+                entry[2].append(entry[3] + s_parts[k])
+            entry[3] += seg_len[k]
+            entry[4] = batch
+            if seg_done[k]:
+                del open_[key]
+                cat = (lambda chunks, dtype: np.concatenate(chunks) if chunks else np.zeros(0, dtype))
+                self.tally.add_episode(cat(entry[0], np.int64), cat(entry[1], np.float64),
+                                       cat(entry[2], np.int64), entry[3], seg_died[k])
+                finished += 1
         if self._batches % 100 == 0:
             old = [k for k, e in self._open.items() if self._batches - e[4] > self.stale_batches]
             for k in old:
