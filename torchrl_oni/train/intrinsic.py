@@ -91,7 +91,7 @@ log = logging.getLogger("torchrl_oni.train")
 MIN_REWARD_MODEL_STEPS = 100
 CHANCE_BALANCED_ACCURACY = 0.55
 # top_messages.txt is for a person watching the run: rewritten (atomically, two fsyncs) at most
-# this often and at the run's end, not after every update (4.7 ms an update on the 2-core VM)
+# this often and at the run's end, not after every update (3-5 ms an update on the 2-core VM)
 TOP_MESSAGES_EVERY_S = 10.0
 
 
