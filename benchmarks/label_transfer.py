@@ -12,13 +12,17 @@ would start from. Per held-out store:
 - ``agree``: on captions both label, how often the others' label equals the run's own (a
   sampling LLM, or a different prompt, answers differently from run to run).
 
-``--write FILE`` saves the merge of all the given stores as one caption store, the file to carry
-to the GPU node (its size is printed). Last line: JSON.
+``--write FILE`` saves the merge of all the given stores: as a labels file when FILE ends in
+``.jsonl.gz`` (the labels alone, ~18x smaller than the same merge as a store, readable, small enough to keep in the
+repository: :mod:`torchrl_oni.store.labels_file`), else as one caption store; its size is
+printed. Labels files are accepted as inputs too: as the others' labels they count as a store would; held
+out, they know the sightings of their labelled captions only (their ``own`` is 1).
+Last line: JSON.
 
 Usage::
 
     python benchmarks/label_transfer.py runs/sparse/staircase/retrieval-llm/seed*/captions.pt \\
-        --write runs/labels_staircase.pt
+        --write runs/labels_staircase.jsonl.gz
 """
 from __future__ import annotations
 
@@ -30,11 +34,13 @@ from pathlib import Path
 from typing import List
 
 import numpy as np
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from torchrl_oni.cli_errors import OneLineArgumentParser, report  # noqa: E402
 from torchrl_oni.store import LABELLED, CaptionStore  # noqa: E402
+from torchrl_oni.store.labels_file import is_labels_file, load_labels, write_labels  # noqa: E402
 
 PROG = "label_transfer.py"
 
@@ -45,6 +51,25 @@ def merged(stores: List[CaptionStore]) -> CaptionStore:
     for store in stores:
         out.import_labels(store)
     return out
+
+
+def with_sightings(union: CaptionStore, stores: List[CaptionStore]) -> CaptionStore:
+    """``union`` with each caption's ``times_seen`` summed over ``stores`` (an import counts none),
+    so that the written file lists the captions the runs saw most first, with their counts."""
+    state = union.state_dict()
+    hashes = state["captions"]["caption_hash"].numpy()
+    total = np.zeros(len(hashes), dtype=np.int64)
+    for store in stores:
+        rows = store.caption_rows(store.caption_slots(), fields=("caption_hash", "times_seen"))
+        theirs, seen = rows["caption_hash"].numpy(), rows["times_seen"].numpy()
+        order = np.argsort(theirs)
+        at = np.clip(np.searchsorted(theirs[order], hashes), 0, max(len(theirs) - 1, 0))
+        if len(theirs):
+            hit = theirs[order][at] == hashes
+            total[hit] += seen[order][at][hit]
+    state["captions"]["times_seen"] = torch.from_numpy(total)
+    union.load_state_dict(state)
+    return union
 
 
 def held_out(store: CaptionStore, others: CaptionStore) -> dict:
@@ -70,15 +95,17 @@ def held_out(store: CaptionStore, others: CaptionStore) -> dict:
 def main(argv=None) -> int:
     p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stores", nargs="+", help="caption stores (captions.pt) of runs of one task, two or more")
-    p.add_argument("--write", metavar="FILE", help="save the merge of every store as one caption store")
+    p.add_argument("stores", nargs="+", help="caption stores (captions.pt) of runs of one task, or labels files "
+                                             "(.jsonl[.gz]), two or more")
+    p.add_argument("--write", metavar="FILE", help="save the merge of every store: a labels file if FILE ends in "
+                                                   ".jsonl or .jsonl.gz, else one caption store")
     args = p.parse_args(argv)
     if len(args.stores) < 2:
         p.error("give two or more caption stores: each is held out in turn against the others")
     stores = []
     for path in args.stores:
         try:
-            stores.append(CaptionStore.load(path))
+            stores.append(load_labels(path))
         except (OSError, ValueError) as err:
             report(PROG, str(err))  # the loader names the file
             return 2
@@ -99,13 +126,16 @@ def main(argv=None) -> int:
           f"{mean['captions_covered']:>18.3f}")
     result = {"benchmark": "label_transfer", "stores": len(stores), "rows": rows, **{f"mean_{k}": v for k, v in mean.items()}}
     if args.write:
-        union = merged(stores)
+        union = with_sightings(merged(stores), stores)
         Path(args.write).parent.mkdir(parents=True, exist_ok=True)
-        union.save(args.write)
+        if is_labels_file(args.write):
+            write_labels(union, args.write)
+        else:
+            union.save(args.write)
         size = os.path.getsize(args.write)
         stats = union.stats()
         print(f"\nwrote {args.write}: {stats['labelled']:,} labelled captions ({stats['positives']:,} approved), "
-              f"{size / 2**20:.1f} MiB")
+              + (f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"))
         result.update(written=args.write, written_labelled=int(stats["labelled"]), written_bytes=size)
     print(json.dumps(result))
     return 0

@@ -176,7 +176,11 @@ def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
 def main(argv=None):
     from torchrl_oni.config_tree import parse_count
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    try:
+        from torchrl_oni.cli_errors import OneLineArgumentParser as Parser  # a wrong flag: one line, exit 2
+    except ImportError:  # a --baseline-code package from before it
+        Parser = argparse.ArgumentParser
+    p = Parser(prog="train_throughput.py", description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=120.0, help="total time budget (default 120)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--envs", type=int, default=32, help="games per worker (default 32)")
@@ -219,6 +223,12 @@ def main(argv=None):
         print(json.dumps(run(args.seconds, args.workers, args.envs, args.rollout, args.arch, args.device, **settings)))
         return 0
     base = None
+    orphans = [flag for flag, given in (("--baseline-intrinsic-reward", args.baseline_intrinsic_reward is not None),
+                                        ("--baseline-prefetch-batches", args.baseline_prefetch_batches is not None),
+                                        ("--baseline-compile", args.baseline_compile is not None),
+                                        ("--rounds", args.rounds != 1)) if given]
+    if orphans and not args.baseline_code:  # said, not ignored: the run would measure something else
+        p.error(f"{orphans[0]} describes the --baseline-code run: give --baseline-code DIR (. for this code)")
     if args.baseline_code:
         if not os.path.isdir(os.path.join(args.baseline_code, "torchrl_oni")):
             p.error(f"--baseline-code {args.baseline_code}: no torchrl_oni package there")

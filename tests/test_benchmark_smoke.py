@@ -74,6 +74,28 @@ def test_label_transfer_smoke_against_a_hand_count(tmp_path):
     labels, found = union.lookup(hash_messages(encode_messages(["kill", "wall", "gold", "door", "newt"])))
     assert found.tolist() == [True, True, True, True, False]
     assert labels.tolist()[:4] == [1.0, 0.0, 1.0, 0.0]  # a's wall label wins over b's
+    # the same merge as a labels file: the same labels, and it stands in for a store as an input
+    from torchrl_oni.store.labels_file import load_labels
+
+    result_gz, table_gz = bench_json([BENCH / "label_transfer.py", a, b, c, "--write", tmp_path / "all.jsonl.gz"])
+    assert "labelled captions (2 approved), 0 KiB" in table_gz  # a few bytes, said in KiB
+    assert result_gz["written_labelled"] == 4 and 0 < result_gz["written_bytes"] < os.path.getsize(tmp_path / "all.pt")
+    again = load_labels(tmp_path / "all.jsonl.gz")
+    counts = again.caption_rows(again.caption_slots(), fields=("caption_hash", "times_seen"))
+    seen_by_hash = dict(zip(counts["caption_hash"].tolist(), counts["times_seen"].tolist()))
+    kill, wall, gold, door = hash_messages(encode_messages(["kill", "wall", "gold", "door"])).tolist()
+    # sightings summed over the runs: kill 5 + 1, wall 3 + 1, gold 2 + 4 (c labels it), door 8
+    assert seen_by_hash == {kill: 6, wall: 4, gold: 6, door: 8}
+    assert again.lookup(hash_messages(encode_messages(["kill", "wall", "gold", "door", "newt"])))[0].tolist()[:4] \
+        == [1.0, 0.0, 1.0, 0.0]
+    from torchrl_oni.store.labels_file import write_labels
+
+    write_labels(CaptionStore.load(a), tmp_path / "a.jsonl.gz")
+    result_mixed, _ = bench_json([BENCH / "label_transfer.py", tmp_path / "a.jsonl.gz", b, c])
+    by_name = {os.path.basename(r["store"]): r for r in result_mixed["rows"]}
+    for name in ("b.pt", "c.pt"):  # against a's labels file, as against a's store
+        assert by_name[name]["steps_covered"] == rows[name]["steps_covered"]
+        assert by_name[name]["captions_covered"] == rows[name]["captions_covered"]
     out = run_script([BENCH / "label_transfer.py", a])
     assert out.returncode == 2 and "two or more" in out.stderr and "Traceback" not in out.stderr
     out = run_script([BENCH / "label_transfer.py", a, tmp_path / "missing.pt"])

@@ -63,6 +63,14 @@ def test_train_throughput_prices_a_reward_type_on_a_task_smoke():
     assert "(baseline: none), task staircase-lvl3" in table
 
 
+@pytest.mark.parametrize("flags", [["--baseline-intrinsic-reward", "none"], ["--rounds", "3"],
+                                   ["--baseline-prefetch-batches", "0"]])
+def test_train_throughput_refuses_baseline_settings_without_a_baseline(flags):
+    out = run_script([BENCH / "train_throughput.py", "--seconds", "1", *flags], timeout=120)
+    assert out.returncode == 2 and "give --baseline-code" in out.stderr and flags[0] in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
 def test_drop_in_overhead_smoke():
     result, table = bench_json([BENCH / "drop_in_overhead.py", "--seconds", "1.5", "--rounds", "1"])
     assert "+ oni_transforms" in table

@@ -169,14 +169,19 @@ def test_caption_store_is_reused_so_labels_are_not_paid_twice(tmp_path):
     assert rows[-1]["annotation/labels_total"] < after  # some labels were not asked for again
 
 
-def test_a_run_on_stored_labels_pays_only_for_what_they_cover(tmp_path):
+@pytest.mark.parametrize("carried_as", ["caption store", "labels file"])
+def test_a_run_on_stored_labels_pays_only_for_what_they_cover(tmp_path, carried_as):
     from torchrl_oni.captions import encode_messages, hash_messages
     from torchrl_oni.store import LABELLED, SKIPPED
+    from torchrl_oni.store.labels_file import load_labels, write_labels
 
     source_dir, _ = _run(tmp_path / "a", "--intrinsic-reward", "retrieval", "--annotator", "scripted")
     source_path = os.path.join(source_dir, CAPTION_STORE_NAME)
+    if carried_as == "labels file":  # the labels alone, as the sparse-task experiment carries them
+        write_labels(CaptionStore.load(source_path), tmp_path / "labels.jsonl.gz")
+        source_path = str(tmp_path / "labels.jsonl.gz")
     source_bytes = open(source_path, "rb").read()
-    source = CaptionStore.load(source_path)
+    source = load_labels(source_path)
     # another seed: other games, so some captions the source never saw
     logdir, rows = _run(tmp_path / "b", "--intrinsic-reward", "retrieval", "--annotator", "store",
                         "--labels-from", source_path, "--seed", "7")
@@ -233,6 +238,8 @@ def test_dead_llm_url_is_one_error_line_and_exit_2(tmp_path):
     (["--intrinsic-reward", "retrieval", "--annotator", "store"], "--annotator store makes no labels of its own"),
     (["--intrinsic-reward", "retrieval", "--annotator", "store", "--labels-from", "/nonexistent/captions.pt"],
      "--labels-from: no caption store at /nonexistent/captions.pt"),
+    (["--intrinsic-reward", "retrieval", "--annotator", "store", "--labels-from", "/nonexistent/l.jsonl.gz"],
+     "--labels-from: no labels file at /nonexistent/l.jsonl.gz"),
     (["--labels-from", "/nonexistent/captions.pt"], "--labels-from needs an --intrinsic-reward labelled"),
     (["--intrinsic-reward", "ranking", "--annotator", "store", "--labels-from", "x.pt"],
      "learns from caption pairs and --labels-from carries caption labels, not preferences"),

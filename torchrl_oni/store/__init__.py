@@ -57,6 +57,7 @@ Modules:
 :mod:`.pairs`                  the pair table's columns and methods (ranking)
 :mod:`.rows`                   row-level reads and undo (tools that show the store to people)
 :mod:`._snapshot`              save / load, and the file's layout
+:mod:`.labels_file`            the labels alone as gzip-compressed JSON lines, what ``--labels-from`` also reads
 :mod:`._table`                 fixed-width rows in a replay buffer, and the hash index
 :mod:`._provenance`            the provenance table and the "people first" rule
 =============================  ==============================================================

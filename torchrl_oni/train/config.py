@@ -195,7 +195,8 @@ class AnnotationConfig:
     caption_store: Optional[str] = setting(None, "caption/label store, loaded if it exists and saved at "
                                            "checkpoints (default: LOGDIR/captions.pt)", metavar="PATH")
     labels_from: Tuple[str, ...] = setting(
-        (), "caption stores of earlier runs (their captions.pt) whose caption labels this run starts with, copied "
+        (), "caption stores of earlier runs (their captions.pt), or labels files (.jsonl[.gz]: "
+        "torchrl_oni.store.labels_file), whose caption labels this run starts with, copied "
         "into its store when it opens; a caption labelled by several takes the first one's label, one this run "
         "labelled keeps its own", default_factory=tuple, metavar="STORE")
     label_budget: Optional[float] = setting(None, "labels (captions, or pairs for ranking) that may be bought per "

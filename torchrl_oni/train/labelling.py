@@ -269,19 +269,20 @@ class Labelling:
         Raises:
             ValueError: ``source`` is missing, unreadable or holds no labels (one sentence).
         """
-        from ..store import CaptionStore
+        from ..store.labels_file import is_labels_file, load_labels
 
         if os.path.abspath(source) == os.path.abspath(self.store_path):
             raise ValueError(f"--labels-from {source} is this run's own caption store")
         try:
-            other = CaptionStore.load(source)
+            other = load_labels(source)  # a caption store, or a labels file (.jsonl[.gz])
         except FileNotFoundError:
-            raise ValueError(f"--labels-from: no caption store at {source}") from None
+            kind = "labels file" if is_labels_file(source) else "caption store"
+            raise ValueError(f"--labels-from: no {kind} at {source}") from None
         except ValueError as err:  # damaged or foreign: the loader says which in one sentence
             raise ValueError(f"--labels-from: {err}") from None
         counts = self.store.import_labels(other)
         if counts["imported"] + counts["kept"] == 0:
-            raise ValueError(f"--labels-from {source}: the store has no labelled caption")
+            raise ValueError(f"--labels-from {source}: it holds no labelled caption")
         log.info("labels from %s: %d captions imported (%d approved), %d already labelled here kept "
                  "(%d of them labelled otherwise there)", source, counts["imported"], counts["positive"],
                  counts["kept"], counts["disagreeing"])
