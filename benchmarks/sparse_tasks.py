@@ -36,7 +36,10 @@ raised) is continued with ``oni-train --resume``. A run folder whose ``config.ya
 the flags (other than ``--frames`` and settings that do not change results: device, logging,
 server address) is refused with one line naming the differences: use another ``--root``. Ctrl-C,
 SIGTERM or SIGUSR1 are passed to the running ``oni-train`` processes, which save a checkpoint;
-``--dry-run`` lists every run, its state and the command it needs, and runs nothing.
+``--dry-run`` lists every run, its state and the command it needs, and runs nothing. A folder
+brought back from another machine without its checkpoint (``benchmarks/gpu_sparse_call.sh``: one
+run per GPU session) counts as done when its ``eval.json`` matches the flags, and is refused, never
+trained again, when it does not; a grid moved to another ``--root`` keeps its evaluations.
 
 Frame ladders. Raising ``--frames`` on a finished grid (10M, then 20M, then 50M) continues every
 run and evaluates it again; the evaluation of the smaller budget is kept beside the new one as
@@ -369,12 +372,16 @@ def eval_is_current(run: Run, eval_args: argparse.Namespace) -> bool:
         return False
     if (result.get("frames_trained") or 0) < run.target_frames:
         return False
+    # the store it was judged by, by its place in the grid (task/setting/seed/file): a grid moved or
+    # copied to another --root (the GPU node's results) keeps its evaluations
+    if run.store is not None and Path(str(result.get("caption_store"))).parts[-4:] != run.store.parts[-4:]:
+        return False
+    if not (run.logdir / CHECKPOINT_NAME).exists():
+        # a folder brought back without its checkpoint (the GPU node's results): the evaluation
+        # judged the only policy there is, whatever the copy did to the files' times
+        return True
     written = _mtime(path)
-    newer = [run.logdir / CHECKPOINT_NAME]
-    if run.store is not None:
-        if result.get("caption_store") != str(run.store):
-            return False
-        newer.append(run.store)
+    newer = [run.logdir / CHECKPOINT_NAME] + ([run.store] if run.store is not None else [])
     # a checkpoint (or labels) rewritten after the evaluation: it judged another policy
     return all(_mtime(p) <= written for p in newer if p.exists())
 
@@ -403,6 +410,10 @@ def inspect_run(run: Run, eval_args: argparse.Namespace) -> tuple:
     if eval_is_current(run, eval_args):
         return "done", "", int(_read_json(run.logdir / EVAL_NAME)["frames_trained"])
     if not checkpoint.exists():
+        if (run.logdir / EVAL_NAME).exists() and run.reward != RANDOM:
+            # training again would overwrite a run that was trained and evaluated elsewhere
+            return "conflict", (f"an {EVAL_NAME} of other flags or fewer frames and no checkpoint to continue or "
+                                f"evaluate again (a folder copied without it)"), None
         return ("create" if run.reward == RANDOM else "train"), "", None
     try:
         frames = int(load_checkpoint(str(checkpoint))["frames"])

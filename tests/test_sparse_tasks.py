@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,25 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
     summary, _ = _json_line(capsys.readouterr().out)
     assert summary["launched"] == {"train": 0, "resume": 0, "eval": 0, "create": 0} and summary["done"] == 3
     assert _snapshot(root) == before
+
+    # the folders brought back from another machine without their checkpoints (the GPU node's
+    # results), their files' times changed by the copy: done, and never trained again
+    import shutil
+
+    copied = tmp_path / "copied"
+    for setting in ("retrieval-scripted", "none"):
+        shutil.copytree(runs[setting], copied / "staircase" / setting / "seed0",
+                        ignore=shutil.ignore_patterns("checkpoint.pt"), copy_function=shutil.copyfile)
+    (copied / "staircase" / "retrieval-scripted" / "seed0" / "captions.pt").touch()  # newer than none's eval
+    # (none's eval.json names the store under the first --root: the grid reads its place in the grid)
+    copied_args = ["--root", str(copied), *TINY, "--rewards", "none", "retrieval", "--seeds", "0"]
+    assert grid.main(copied_args + ["--dry-run"]) == 0
+    listed, _ = _json_line(capsys.readouterr().out)
+    assert listed["counts"] == {"done": 2}
+    assert grid.main(copied_args + ["--dry-run", "--episodes", "8"]) == 0  # evaluated otherwise: nothing to redo it with
+    listed, _ = _json_line(capsys.readouterr().out)
+    assert listed["counts"] == {"conflict": 2}
+    assert "copied without it" in listed["runs"][0]["detail"]
 
     # --dry-run lists the state: done now; with more frames the trained runs are to be resumed
     assert grid.main(again + ["--dry-run"]) == 0
@@ -527,3 +547,33 @@ def test_curve_values_are_read_at_the_budgets(grid, tmp_path):
     assert grid.curve_value(rows, "episode/success", 4300) == pytest.approx(0.8)  # within one logging interval
     assert grid.curve_value(rows, "episode/success", 8192) is None  # the run is not there yet
     assert grid.curve_value(rows, "episode/dlvl", 2048) is None
+
+
+@pytest.mark.slow
+def test_the_gpu_call_script_brings_back_runs_the_grid_counts_as_done(tmp_path):
+    """benchmarks/gpu_sparse_call.sh on the CPU at toy sizes: one call per run, the run folders come
+    back without checkpoints, and the grid's own command, pointed at them, counts them as done."""
+    repo = SCRIPT.parent.parent
+    env = dict(os.environ, DEVICE="cpu", WORKERS="1", ENVS="4", BATCH="256", FRAMES="2048",
+               EPISODES="2", GRID=str(tmp_path / "node"), OUT=str(tmp_path / "out"))
+    call = ["bash", str(repo / "benchmarks" / "gpu_sparse_call.sh")]
+    for setting in ("retrieval-scripted", "none"):  # none is judged by retrieval-scripted's labels
+        out = subprocess.run(call + [setting, "0", "300"], cwd=repo, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert f"copied runs/lvl3_gpu/staircase-lvl3/{setting}/seed0" in out.stdout
+    back = tmp_path / "out" / "runs" / "lvl3_gpu"
+    assert not list(back.rglob("checkpoint.pt")) and not list(back.rglob("tensorboard"))
+    assert sorted(p.parent.parent.name for p in back.rglob("eval.json")) == ["none", "retrieval-scripted"]
+    # the grid's command on this side, --root where the folders were copied: done, nothing to run
+    grid = subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(back), "--tasks", "staircase-lvl3", "--rewards", "none",
+         "retrieval", "--annotators", "scripted", "--seeds", "0", "--frames", "2048", "--episodes", "2", "--extra",
+         "--device cpu --workers 1 --envs-per-worker 4 --prefetch-batches 0 --frames-per-update 256 "
+         "--minibatch-size 256 --extrinsic-coeff 10", "--dry-run"], cwd=repo, capture_output=True, text=True,
+        timeout=300)
+    assert grid.returncode == 0, grid.stderr[-2000:]
+    listed, _ = _json_line(grid.stdout)
+    assert listed["counts"] == {"done": 2}
+    bad = subprocess.run(call + ["retrieval-llm", "0"], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "unknown setting" in bad.stderr
