@@ -327,3 +327,30 @@ def test_oni_train_resume_from_a_bad_checkpoint_is_one_error_line(tmp_path, cont
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("oni-train: error:") and "checkpoint" in lines[0], proc.stderr
     assert not marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_labels_files_are_read_as_data_only(tmp_path):
+    """``--labels-from`` also reads labels files (JSON lines): a pickle, truncated gzip, garbage or
+    an empty file named like one is refused in one line naming it, and nothing runs."""
+    from torchrl_oni.store.labels_file import load_labels, write_labels
+
+    marker = tmp_path / "marker"
+    store = CaptionStore(capacity=16)
+    msgs = encode_messages(TEXTS)
+    store.add(msgs, hash_messages(msgs))
+    store.set_labels(hash_messages(msgs), [1.0] * len(TEXTS), Provenance("scripted"))
+    good = tmp_path / "good.jsonl.gz"
+    write_labels(store, good)
+    assert len(load_labels(good)) == len(set(TEXTS))
+    data = good.read_bytes()
+    cases = {f"crafted {p.stem}": p.read_bytes() for p in _crafted_files(tmp_path, marker)}
+    cases.update({"truncated": data[: len(data) // 2], "garbage": os.urandom(4096), "empty": b"",
+                  "text": b"frames,time_s\n1,2\n"})
+    for name, content in cases.items():
+        path = tmp_path / f"{name}.jsonl.gz"
+        path.write_bytes(content)
+        with pytest.raises(UnreadableFileError) as info:
+            load_labels(path)
+        assert str(path) in _one_line(info.value), name
+    assert not marker.exists()
