@@ -123,6 +123,8 @@ HEADER = json.dumps({"format": LABELS_FORMAT, "version": 1})
     (f'{HEADER}\n[1, 2]\n'.encode(), "line 2: a caption's line is a JSON object"),
     ((HEADER + '\n{"caption": "a", "label": 1').encode(), "line 2: not JSON"),
     (gzip.compress(f'{HEADER}\n'.encode())[:-6], "not a readable labels file"),
+    (json.dumps({"format": LABELS_FORMAT, "version": 1, "captions": 3}).encode() + b'\n{"caption": "a", "label": 1}\n',
+     "holds 1 captions where its first line says 3"),
 ])
 def test_a_damaged_labels_file_is_refused_in_one_sentence(tmp_path, content, words):
     path = tmp_path / "bad.jsonl.gz"

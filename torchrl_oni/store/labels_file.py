@@ -155,6 +155,9 @@ def read_labels(path: PathLike):
         scores.append(math.nan if row["score"] is None else row["score"])
         seen.append(row["seen"])
     count = len(texts)
+    if isinstance(header.get("captions"), int) and header["captions"] != count:
+        raise UnreadableFileError(f"{path} holds {count} captions where its first line says {header['captions']} "
+                                  f"(a truncated or edited file)")
     messages = np.zeros((count, MESSAGE_LEN), dtype=np.uint8)
     for i, caption in enumerate(texts):
         b = caption.encode("latin-1")
