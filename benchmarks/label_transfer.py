@@ -60,13 +60,9 @@ def with_sightings(union: CaptionStore, stores: List[CaptionStore]) -> CaptionSt
     hashes = state["captions"]["caption_hash"].numpy()
     total = np.zeros(len(hashes), dtype=np.int64)
     for store in stores:
-        rows = store.caption_rows(store.caption_slots(), fields=("caption_hash", "times_seen"))
-        theirs, seen = rows["caption_hash"].numpy(), rows["times_seen"].numpy()
-        order = np.argsort(theirs)
-        at = np.clip(np.searchsorted(theirs[order], hashes), 0, max(len(theirs) - 1, 0))
-        if len(theirs):
-            hit = theirs[order][at] == hashes
-            total[hit] += seen[order][at][hit]
+        slots = store.slots(hashes).numpy()
+        found = slots >= 0
+        total[found] += store.caption_rows(slots[found], fields=("times_seen",))["times_seen"].numpy()
     state["captions"]["times_seen"] = torch.from_numpy(total)
     union.load_state_dict(state)
     return union

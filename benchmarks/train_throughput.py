@@ -174,13 +174,10 @@ def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
 
 
 def main(argv=None):
+    from torchrl_oni.cli_errors import OneLineArgumentParser  # as old as config_tree: any --baseline-code has it
     from torchrl_oni.config_tree import parse_count
 
-    try:
-        from torchrl_oni.cli_errors import OneLineArgumentParser as Parser  # a wrong flag: one line, exit 2
-    except ImportError:  # a --baseline-code package from before it
-        Parser = argparse.ArgumentParser
-    p = Parser(prog="train_throughput.py", description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(prog="train_throughput.py", description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=120.0, help="total time budget (default 120)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--envs", type=int, default=32, help="games per worker (default 32)")

@@ -59,7 +59,8 @@ import torch
 
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.atomic import UnreadableFileError, atomic_write
-from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, hash_messages, message_bytes
+from torchrl_oni.captions import (CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, encode_messages, hash_messages,
+                                  message_bytes)
 from torchrl_oni.store.status import LABELLED
 
 __all__ = ["LABELS_FORMAT", "LABELS_FILE_SUFFIXES", "is_labels_file", "write_labels", "read_labels", "load_labels"]
@@ -158,11 +159,8 @@ def read_labels(path: PathLike):
     if isinstance(header.get("captions"), int) and header["captions"] != count:
         raise UnreadableFileError(f"{path} holds {count} captions where its first line says {header['captions']} "
                                   f"(a truncated or edited file)")
-    messages = np.zeros((count, MESSAGE_LEN), dtype=np.uint8)
-    for i, caption in enumerate(texts):
-        b = caption.encode("latin-1")
-        messages[i, : len(b)] = np.frombuffer(b, dtype=np.uint8)
-    hashes = hash_messages(messages) if count else np.zeros(0, dtype=np.int64)
+    messages = encode_messages(texts)  # exact: every caption was checked to be latin-1 and to fit
+    hashes = hash_messages(messages)
     _, first = np.unique(hashes, return_index=True)
     keep = np.sort(first)  # a repeated caption keeps its first line
     store = CaptionStore(capacity=max(len(keep), 1))
