@@ -47,7 +47,7 @@ setup(
     long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torchrl_oni", "torchrl_oni.*"]),
-    package_data={"torchrl_oni": ["replay_assets/*.html", "feedback/static/*"]},
+    package_data={"torchrl_oni": ["replay_assets/*.html", "feedback/static/*", "data/*.json"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

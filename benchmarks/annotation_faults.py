@@ -50,6 +50,7 @@ from torchrl_oni.annotation import LLMAnnotationTransform  # noqa: E402
 from torchrl_oni.annotators.openai import OpenAIAnnotator  # noqa: E402
 from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN  # noqa: E402
 from torchrl_oni.store import CaptionStore  # noqa: E402
+from torchrl_oni.train.hooks import TrainHook  # noqa: E402
 
 COLUMNS = ("t_s", "seen_cov", "window_cov", "labelled", "waiting", "given_up", "labels_per_s",
            "unsent", "timeouts", "conn_err")
@@ -187,10 +188,11 @@ def make_transform(store: CaptionStore, client) -> LLMAnnotationTransform:
                                   close_annotator=True, poll_interval_s=0.5)
 
 
-class _TrainerHook:
+class _TrainerHook(TrainHook):
     """Annotates, records and samples each collected batch; stops the trainer after ``seconds``."""
 
     name = "annotation_faults"
+    stages = ("batch", "post_update")
 
     def __init__(self, seconds: float, annotate=None, feed: Optional[CaptionFeed] = None,
                  probe: Optional[CoverageProbe] = None) -> None:
@@ -221,14 +223,14 @@ def run_trainer(args, hook: _TrainerHook) -> None:
     cfg = TrainConfig(frames=MAX_FRAMES, workers=args.workers, envs_per_worker=args.envs, rollout=args.rollout,
                       logdir=tempfile.mkdtemp(prefix="oni-faults-"), progress=False, tensorboard=False,
                       checkpoint_every=MAX_FRAMES, seed=args.seed)
-    Trainer(cfg, hooks=[hook]).train()
+    Trainer.from_config(cfg, hooks=[hook]).train()
 
 
 # ---------------------------------------------------------------------------------- scenarios
 def scenario_hog(args, feed: CaptionFeed) -> dict:
     server = None
     if args.llm_url:
-        from torchrl_oni.annotators.client import resolve_model
+        from torchrl_oni.annotators.endpoints import resolve_model
 
         url, model = args.llm_url, resolve_model(args.llm_url, args.llm_model, api_key=args.llm_api_key)
     else:

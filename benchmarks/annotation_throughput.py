@@ -156,7 +156,7 @@ def _collector_phases(url: str, model: str, seconds: float, rounds: int = 6) -> 
     from torchrl_oni.annotators.openai import OpenAIAnnotator
     from torchrl_oni.store import CaptionStore
     from torchrl_oni.train.config import TrainConfig
-    from torchrl_oni.train.ppo import make_env_factory
+    from torchrl_oni.train.env_factory import make_env_factory
 
     torch.set_num_threads(1)
     cfg = TrainConfig(workers=2, envs_per_worker=32, rollout=32)

@@ -43,8 +43,8 @@ from torchrl_oni.annotators.scripted import ScriptedAnnotator  # noqa: E402
 from torchrl_oni.annotators.teacher import SimulatedTeacher  # noqa: E402
 from torchrl_oni.atomic import atomic_write  # noqa: E402
 from torchrl_oni.captions import MESSAGE_LEN, decode_messages  # noqa: E402
-from torchrl_oni.rewards.classification import holdout_mask  # noqa: E402
 from torchrl_oni.rewards.ensemble import ClassifierEnsemble, EnsembleClassifierTrainer  # noqa: E402
+from torchrl_oni.rewards.training import holdout_mask  # noqa: E402
 
 RULES = ("uniform", "disagree", "entropy")
 

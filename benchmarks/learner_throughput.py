@@ -33,7 +33,7 @@ def measure(arch: str, device: torch.device, frames: int, seconds: float, miniba
             fast_values: bool = True, threads: int = 0, compile: str = "off") -> dict:
     from torchrl_oni.train.config import PPOConfig
     from torchrl_oni.train.learner import PPOLearner, rollout_batch
-    from torchrl_oni.train.policy import RECURRENT_ARCHS
+    from torchrl_oni.train.archs import RECURRENT_ARCHS
     from torchrl_oni.train.timing import UPDATE_STAGES, StageClock
 
     if threads:

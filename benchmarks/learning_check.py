@@ -96,10 +96,10 @@ def ellm_goals_per_episode(cfg, policies, seconds: float):
     ``seconds``; states still without goals pay 0). Returns ``(per policy: [goals per episode],
     per policy: fraction of steps whose state had goals, states left without goals)``."""
     from torchrl_oni.rewards.ellm import build_ellm_reward
-    from torchrl_oni.train.intrinsic import start_llm
+    from torchrl_oni.train.annotator_types import start_llm
 
     s, ann = cfg.reward.ellm, cfg.annotation
-    endpoint, server = start_llm(cfg) if ann.annotator == "llm" else (None, None)
+    endpoint, server = start_llm(ann) if ann.annotator == "llm" else (None, None)
     try:
         ellm = build_ellm_reward(
             annotator_kind=ann.annotator, url=list(endpoint.urls) if endpoint else None,
@@ -137,11 +137,11 @@ def label_now(cfg, captions):
     """Labels captions with the run's annotator (same model and prompt); None where it failed."""
     import asyncio
 
-    from torchrl_oni.train.intrinsic import make_annotator
+    from torchrl_oni.train.labelling import make_annotator
 
     if not captions:
         return []
-    annotator, server = make_annotator(cfg)
+    annotator, server = make_annotator(cfg.annotation, seed=cfg.seed)
 
     async def go():
         try:
@@ -189,7 +189,6 @@ def main(argv=None):
     from torchrl_oni.envs import NLEBatchEnv
     from torchrl_oni.store import CaptionStore
     from torchrl_oni.train import TrainConfig, Trainer
-    from torchrl_oni.train.intrinsic import build_intrinsic_hooks
     from torchrl_oni.train.policy import make_actor_critic
 
     logdir = args.logdir or tempfile.mkdtemp(prefix="oni-learning-check-")
@@ -200,8 +199,7 @@ def main(argv=None):
                       frames_per_update=args.frames_per_update, acting=args.acting,
                       prefetch_batches=args.prefetch_batches, compile=args.compile)
     t0 = time.perf_counter()
-    hooks = build_intrinsic_hooks(cfg)
-    trainer = Trainer(cfg, hooks=hooks)
+    trainer = Trainer.from_config(cfg)
     summary = trainer.train()
     train_s = time.perf_counter() - t0
 
@@ -222,7 +220,7 @@ def main(argv=None):
     env.close()
     if ellm:
         (tr_goals, rd_goals), (tr_cov, rd_cov), no_goals = ellm_goals_per_episode(
-            cfg.resolved(), (trained_eps, random_eps), args.goal_seconds)
+            trainer.cfg, (trained_eps, random_eps), args.goal_seconds)
 
     # judge every caption of both evaluations with the training run's annotator
     store_path = os.path.join(logdir, "captions.pt")

@@ -45,7 +45,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from torchrl_oni.train import TrainConfig, Trainer  # noqa: E402
-from torchrl_oni.train.intrinsic import build_intrinsic_hooks  # noqa: E402
 from torchrl_oni.train.run_log import read_metrics  # noqa: E402
 
 KINDS = ("none", "retrieval", "classification", "ranking", "bow", "ellm")
@@ -72,8 +71,7 @@ def run_once(name: str, frames: int, args, root: str) -> tuple:
         logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9, seed=args.seed,
         minibatch_size=args.minibatch_size, rm_training=training or "auto", rm_time_fraction=args.rm_time_fraction,
     )
-    hooks = build_intrinsic_hooks(cfg)
-    Trainer(cfg, hooks=hooks).train()
+    Trainer.from_config(cfg).train()
     steps = max((r.get("reward_model/steps", 0) for r in read_metrics(logdir)), default=0)
     return steady_fps(logdir, args.warmup), steps
 

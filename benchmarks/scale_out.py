@@ -21,11 +21,14 @@ import sys
 import tempfile
 import time
 
+from torchrl_oni.train.hooks import TrainHook
 
-class _Clock:
+
+class _Clock(TrainHook):
     """Notes when the first batch arrives, and stops the trainer ``seconds`` after it."""
 
     name = "clock"
+    stages = ("batch", "post_update")
 
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -53,7 +56,7 @@ def run(backend: str, seconds: float, args) -> dict:
                       logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9,
                       minibatch_size=max(args.envs * args.rollout, 256), seed=args.seed, **extra)
     clock = _Clock(seconds)
-    trainer = Trainer(cfg, hooks=[clock])
+    trainer = Trainer.from_config(cfg, hooks=[clock])
     t0 = time.perf_counter()
     summary = trainer.train()
     rows = read_metrics(logdir)

@@ -10,7 +10,9 @@ run is then evaluated with ``oni-eval`` (``python -m torchrl_oni.evaluate``), wh
 
 1. the evaluation table: per task × setting, the mean over seeds and the half-width of its
    95 % confidence interval (Student's t over seeds) of the success rate, extrinsic return, deepest
-   dungeon level, experience level, in-game score and distinct approved captions per episode;
+   dungeon level, experience level, BALROG's progression (in %: :mod:`torchrl_oni.progression`, so
+   the numbers read beside BALROG's NetHack leaderboard), in-game score and distinct approved
+   captions per episode;
 2. the training-curve table: ``--curve-metrics`` (default the success rate over the last
    ``--stats-window`` episodes that ``metrics.csv`` logs) at ``--budgets`` fractions of ``--frames``
    (the logged row nearest to it, within one logging interval), with frames and wall time;
@@ -22,8 +24,8 @@ run is then evaluated with ``oni-eval`` (``python -m torchrl_oni.evaluate``), wh
    mean with a Student-t 95 % CI and whether that excludes 0, the exact sign-flip p and the
    seeds won; then the evaluation episodes paired by game (``oni-eval`` plays episode k of every
    run from the same game seed when their evaluation flags agree) with McNemar's exact p,
-6. once ``--frames`` was raised on a finished grid (below, frame ladders): success and deepest
-   level by frames trained, every budget's evaluations side by side,
+6. once ``--frames`` was raised on a finished grid (below, frame ladders): success, deepest
+   level and progression by frames trained, every budget's evaluations side by side,
 
 and, as its last line, one JSON object with all of it. ``ROOT/<task>/curves.png`` shows the
 learning curves of each setting as the mean over seeds with a shaded 95 % band (``oni-plot
@@ -44,10 +46,17 @@ trained again, when it does not; a grid moved to another ``--root`` keeps its ev
 Frame ladders. Raising ``--frames`` on a finished grid (10M, then 20M, then 50M) continues every
 run and evaluates it again; the evaluation of the smaller budget is kept beside the new one as
 ``RUN/eval_<frames>.json``. Once a run has such an earlier evaluation the script also prints
-success and depth by frames trained (per setting and budget: the mean over seeds with its 95 % CI,
-and the difference with ``--baseline`` paired by seed) and draws them as ``ROOT/<task>/by_frames.png``:
+success, depth and progression by frames trained (per setting and budget: the mean over seeds with
+its 95 % CI, and the difference with ``--baseline`` paired by seed) and draws them as
+``ROOT/<task>/by_frames.png``:
 the scaling question (does a setting pull away from extrinsic-only with more frames?) answered
 from policies evaluated alike, without waiting for the last budget.
+
+Runs that survive the machine. ``--archive DIR`` (a folder in the repository) keeps, as each run
+finishes a rung, its evaluations, its training log thinned to what the curves read, its config and
+the rung's checkpoint and caption store, gzipped (``benchmarks/grid_archive.py``); commit it. A run
+folder that is missing is rebuilt from it before anything else (``--dry-run`` too), so a lost
+``--root`` costs at most the rung under way.
 
 Configuration. There is no sweep syntax: the grid is a list of flag sets. ``--extra "FLAGS"``
 goes to every ``oni-train`` command; ``--extra-for KEY "FLAGS"`` only to runs of one reward type
@@ -59,7 +68,7 @@ too, as ``none+NAME``: an option that is not about the intrinsic reward (a death
 measured on extrinsic-only as well, which separates what it does alone from what ONI adds to it
 (the same command with ``--baseline none+NAME`` prints that pairing; nothing is run again). The flags
 the grid sets (``--task``, ``--intrinsic-reward``, ``--annotator``, ``--seed``, ``--frames``,
-``--logdir``, ``--resume``) may not appear in them. ``--eval-extra`` goes to ``oni-eval``.
+``--logdir``, ``--resume``, ``--overwrite``) may not appear in them. ``--eval-extra`` goes to ``oni-eval``.
 
 Approved captions. Intrinsic runs are judged by their own caption store. ``none`` and ``random``
 runs have none, so they are evaluated with the store of the same task and seed of the first
@@ -109,14 +118,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torchrl_oni.cli_errors import OneLineArgumentParser, report  # noqa: E402
 from torchrl_oni.config_tree import parse_count  # noqa: E402
+from torchrl_oni.run_folder import holds_run  # noqa: E402
 from torchrl_oni.train.annotator_types import annotator_names  # noqa: E402  (no torch: --help stays fast)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grid_archive  # noqa: E402
 
 PROG = "sparse_tasks.py"
 TRAIN_MODULE, EVAL_MODULE = "torchrl_oni.train", "torchrl_oni.evaluate"
 TRAIN_LOG, EVAL_LOG = "train.log", "eval.log"
 NONE, RANDOM, INTRINSIC = "none", "random", "intrinsic"
 # flags the grid sets on every oni-train command (flat setting names)
-GRID_SETTINGS = ("task", "intrinsic_reward", "annotator", "seed", "frames", "logdir", "resume")
+GRID_SETTINGS = ("task", "intrinsic_reward", "annotator", "seed", "frames", "logdir", "resume", "overwrite")
 # oni-eval flags the script sets
 EVAL_OWNED = ("--episodes", "-o", "--output", "--caption-store")
 # settings that may differ between a run folder's config.yaml and the flags without making it
@@ -131,6 +144,7 @@ EVAL_METRICS = (
     ("return", ("return", "mean"), "return"),
     ("max_dlvl", ("max_dlvl", "mean"), "max dlvl"),
     ("xlvl", ("xlvl", "mean"), "xp level"),
+    ("progression", ("progression", "mean"), "progress %"),
     ("score", ("score", "mean"), "score"),
     ("approved_per_episode", ("messages", "approved_per_episode", "mean"), "approved/ep"),
 )
@@ -521,11 +535,14 @@ def keep_earlier_eval(run: Run) -> Optional[Path]:
 
 
 def create_untrained(run: Run) -> None:
-    """The random policy: a freshly initialised checkpoint (``Trainer(cfg).save()``), no training."""
+    """The random policy: a freshly initialised checkpoint (the networks of ``Trainer``, no hook), no
+    training."""
     from torchrl_oni.train import Trainer
+    from torchrl_oni.train.build import build_run
     from torchrl_oni.train.ppo import write_config
 
-    trainer = Trainer(run.config)  # the networks exactly as the run would start, from its seed
+    # the networks exactly as the run would start, from its seed (run.config: resolved by parse_train_flags)
+    trainer = Trainer(build_run(run.config, intrinsic=False))
     write_config(trainer.cfg, str(run.logdir))
     trainer.save()
 
@@ -540,6 +557,10 @@ def execute(run: Run, launcher: Launcher, args, eval_args, final: bool) -> None:
         return
     if run.status in ("train", "resume"):
         argv = run.train_args + (["--resume"] if run.status == "resume" else [])
+        if run.status == "train" and holds_run(str(run.logdir)):
+            # metrics of a run that died before its first checkpoint: nothing to continue, and
+            # oni-train keeps a folder holding a run unless told to start it over
+            argv.append("--overwrite")
         say(f"{run.name}: {'continuing' if run.status == 'resume' else 'training'} ({run.target_frames:,} frames)")
         with launcher.lock:
             launcher.training[run.name] = run
@@ -574,6 +595,10 @@ def execute(run: Run, launcher: Launcher, args, eval_args, final: bool) -> None:
         say(f"{run.name}: oni-eval {run.outcome} (exit {rc}); see {run.logdir / EVAL_LOG}")
         return
     run.outcome = "done"
+    if args.archive is not None:
+        kept = grid_archive.save(run.logdir, args.archive)
+        say(f"{run.name}: kept in {grid_archive.archive_folder(args.archive, run.logdir)} ({', '.join(kept)}): "
+            f"commit it")
     say(f"{run.name}: evaluated")
 
 
@@ -719,8 +744,11 @@ def collect_run(run: Run, args) -> dict:
 def eval_summary(result: dict) -> dict:
     """What the grid reads from one eval.json (:func:`collect_run`'s evaluation fields)."""
     episodes = sorted(result.get("per_episode") or [], key=lambda e: e.get("episode", 0))
+    stats = {key: _dig(result, path) for key, path, _ in EVAL_METRICS}
+    if stats["progression"] is None:
+        stats["progression"] = _progression_of_episodes(episodes)
     return {
-        "eval": {key: _dig(result, path) for key, path, _ in EVAL_METRICS},
+        "eval": stats,
         "eval_time_s": result.get("time_s"),
         "caption_store": result.get("caption_store"),
         # "0110…": episode k's success, k in oni-eval's order; two runs with equal eval_games played the same games
@@ -732,6 +760,26 @@ def eval_summary(result: dict) -> dict:
         "flags": [*(_dig(result, ("reward_hacking", "warnings")) or []),
                   *(_dig(result, ("death_causes_check", "warnings")) or [])],
     }
+
+
+def _progression_of_episodes(episodes: List[dict]) -> Optional[float]:
+    """BALROG's mean progression from the episodes' ``max_dlvl`` and ``xlvl``, for an eval.json
+    written before oni-eval scored it (a frame ladder's earlier rungs); None without them.
+
+    Those episodes know only their last experience level, not their highest: the two differ only
+    after a level drain, so the mean may come out a little lower than oni-eval's own.
+
+    Example:
+        >>> round(100 * _progression_of_episodes([{"max_dlvl": 5, "xlvl": 1}, {"max_dlvl": 1, "xlvl": 1}]), 3)
+        1.324
+        >>> _progression_of_episodes([]) is None
+        True
+    """
+    from torchrl_oni.progression import progression
+
+    values = [progression(e["max_dlvl"], e["xlvl"]) for e in episodes
+              if e.get("max_dlvl") is not None and e.get("xlvl") is not None]
+    return sum(values) / len(values) if values and len(values) == len(episodes) else None
 
 
 def earlier_evals(logdir: Path) -> List[dict]:
@@ -861,14 +909,36 @@ def short_count(n: int) -> str:
     return str(n)
 
 
-# what the by-frames table follows: the task's success, and the deepest level reached, which moves
-# long before success does on staircase-lvl3 (reach dungeon level 3)
-FRAMES_METRICS = (("success", "success", 3), ("max_dlvl", "max dlvl", 2))
+# what the by-frames table follows: the task's success, the deepest level reached, which moves
+# long before success does on staircase-lvl3 (reach dungeon level 3), and BALROG's progression, the
+# number other NetHack agents are compared by
+FRAMES_METRICS = (("success", "success", 3), ("max_dlvl", "max dlvl", 2), ("progression", "progress %", 2))
+# statistics kept as shares in the JSON and shown in %, as BALROG's leaderboard shows progression
+PERCENT_METRICS = {"progression"}
+
+
+def _in_percent(key: str, s: Optional[dict]) -> Optional[dict]:
+    """A :func:`mean_ci` or :func:`paired_difference` dict of ``key`` with its mean, bounds and
+    spread in % where ``key`` is one of :data:`PERCENT_METRICS` (as it is otherwise).
+
+    Example:
+        >>> _in_percent("progression", {"mean": 0.015, "ci95": [0.01, 0.02], "n": 3})
+        {'mean': 1.5, 'ci95': [1.0, 2.0], 'n': 3}
+    """
+    if key not in PERCENT_METRICS or not s:
+        return s
+    out = dict(s)
+    for k in ("mean", "std", "min", "max"):
+        if out.get(k) is not None:
+            out[k] = 100 * out[k]
+    if out.get("ci95") is not None:
+        out["ci95"] = [100 * x for x in out["ci95"]]
+    return out
 
 
 def by_frames(per_run: List[dict], baseline: str = NONE) -> List[dict]:
-    """Success and depth at every budget the grid was run to, from the current and the kept
-    earlier evaluations (:func:`earlier_evals`); [] when no run has an earlier one.
+    """Success, depth and progression at every budget the grid was run to, from the current and the
+    kept earlier evaluations (:func:`earlier_evals`); [] when no run has an earlier one.
 
     One row per task × budget × setting, with for each of :data:`FRAMES_METRICS` the
     :func:`mean_ci` over the seeds evaluated at that budget (``eval``) and the
@@ -930,7 +1000,8 @@ def format_by_frames(rows: List[dict]) -> List[str]:
                  f"with {baseline} paired by seed, * where its CI excludes 0",
              f"{'task / setting':<{width}}{'frames':>10}{'seeds':>7}{heads}"]
     for r in rows:
-        cells = "".join(f"{_cell(r['eval'][key], digits):>16}{_difference_cell(r['vs_baseline'][key], digits):>18}"
+        cells = "".join(f"{_cell(_in_percent(key, r['eval'][key]), digits):>16}"
+                        f"{_difference_cell(_in_percent(key, r['vs_baseline'][key]), digits):>18}"
                         for key, _, digits in FRAMES_METRICS)
         lines.append(f"{r['task'] + ' / ' + r['setting']:<{width}}{short_count(r['frames']):>10}{len(r['seeds']):>7}"
                      f"{cells}")
@@ -938,8 +1009,9 @@ def format_by_frames(rows: List[dict]) -> List[str]:
 
 
 def plot_by_frames(rows: List[dict], root: Path) -> List[str]:
-    """``ROOT/<task>/by_frames.png``: each setting's mean success and depth at each budget with
-    95 % CIs as error bars, for the tasks evaluated at two budgets or more."""
+    """``ROOT/<task>/by_frames.png``: each setting's mean success, depth and progression at each
+    budget with 95 % CIs as error bars (progression in %), for the tasks evaluated at two budgets or
+    more."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
@@ -949,13 +1021,13 @@ def plot_by_frames(rows: List[dict], root: Path) -> List[str]:
         mine = [r for r in rows if r["task"] == task]
         if len({r["frames"] for r in mine}) < 2:
             continue
-        fig = Figure(figsize=(11, 4.2))
+        fig = Figure(figsize=(5.5 * len(FRAMES_METRICS), 4.2))
         FigureCanvasAgg(fig)
         for i, (key, head, _) in enumerate(FRAMES_METRICS):
             ax = fig.add_subplot(1, len(FRAMES_METRICS), i + 1)
             for setting in dict.fromkeys(r["setting"] for r in mine):
-                pts = sorted((r["frames"], r["eval"][key]) for r in mine if r["setting"] == setting
-                             and r["eval"][key]["n"])
+                pts = sorted(((r["frames"], _in_percent(key, r["eval"][key])) for r in mine
+                              if r["setting"] == setting and r["eval"][key]["n"]), key=lambda p: p[0])
                 if not pts:
                     continue
                 lo = [0.0 if st["ci95"] is None else st["mean"] - st["ci95"][0] for _, st in pts]
@@ -1012,13 +1084,17 @@ def _cell(s: dict, digits: int = 2) -> str:
     return text
 
 
+# digits of the evaluation table's cells (progression: in %)
+_DIGITS = {"success": 3, "score": 1}
+
+
 def format_tables(rows: List[dict], per_run: List[dict], args) -> str:
     width = max([len("task / setting")] + [len(f"{r['task']} / {r['setting']}") for r in rows]) + 2
     lines = [f"Evaluation: {args.episodes} episodes per run (oni-eval); mean over seeds ±half-width of its 95 % CI "
              f"(Student's t); {args.frames:,} frames per run",
              f"{'task / setting':<{width}}{'seeds':>6}" + "".join(f"{h:>16}" for _, _, h in EVAL_METRICS)]
     for r in rows:
-        cells = "".join(f"{_cell(r['eval'][k], 1 if k == 'score' else (3 if k == 'success' else 2)):>16}"
+        cells = "".join(f"{_cell(_in_percent(k, r['eval'][k]), _DIGITS.get(k, 2)):>16}"
                         for k, _, _ in EVAL_METRICS)
         lines.append(f"{r['task'] + ' / ' + r['setting']:<{width}}{len(r['seeds']):>3}/{r['runs']:<2}{cells}")
     heads = [f"{m.split('/')[-1]}@{b:.0%}" for m in args.curve_metrics for b in args.budgets]
@@ -1078,6 +1154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default="runs/sparse_tasks", help="where the run folders go (default: %(default)s)")
+    p.add_argument("--archive", type=Path, default=None, metavar="DIR",
+                   help="keep each run's evaluations, thinned metrics and last rung's checkpoint in DIR as each rung "
+                   "ends (a folder in the repository, to commit), and rebuild missing run folders from it first")
     p.add_argument("--tasks", nargs="+", default=["staircase"], help="oni-train --task values (default: staircase)")
     p.add_argument("--rewards", nargs="+", default=[NONE, "retrieval"],
                    help="intrinsic reward types, 'none' included (default: none retrieval)")
@@ -1170,7 +1249,13 @@ def plan(args):
         raise GridError(f"--baseline {args.baseline!r} is not a setting of this grid ({', '.join(settings)})")
     for run in runs:
         run.config = parse_train_flags(run)
+        if args.archive is not None:
+            restored = grid_archive.restore(args.archive, run.logdir)
+            if restored:
+                say(f"{run.name}: rebuilt from {args.archive} ({', '.join(restored)})")
         update_status(run, eval_args)
+        if args.archive is not None and run.status == "done" and not args.dry_run:
+            grid_archive.save(run.logdir, args.archive)  # a rung finished before --archive was given
     return runs, eval_args
 
 
@@ -1185,7 +1270,7 @@ def dry_run(runs: List[Run], args) -> int:
             what = display_command(TRAIN_MODULE, run.train_args + (["--resume"] if run.status == "resume" else []))
             what += " && " + display_command(EVAL_MODULE, eval_command(run, args))
         elif run.status == "create":
-            what = "an untrained checkpoint (Trainer(cfg).save()) && "
+            what = "an untrained checkpoint (Trainer.from_config(cfg, intrinsic=False).save()) && "
             what += display_command(EVAL_MODULE, eval_command(run, args))
         elif run.status == "eval":
             what = display_command(EVAL_MODULE, eval_command(run, args))

@@ -67,28 +67,33 @@ class _GPUUtilisation:
 
 
 
-class _TimeLimit:
-    """Stops the trainer ``seconds`` after its first update (whose compilation, with ``--compile``,
-    can take longer than the window) by lowering its frame budget to what it has done."""
+def timed_trainer(cfg, seconds: float, trainer_cls=None):
+    """The trainer of ``cfg`` (``trainer_cls``, default ``Trainer``) with the run's intrinsic-reward
+    hook (none without one), then a time limit: it stops the trainer ``seconds`` after its first
+    update (whose compilation, with ``--compile``, can take longer than the window) by lowering
+    its frame budget to what it has done."""
+    from torchrl_oni.train import Trainer, TrainHook
 
-    name = "time_limit"
+    class TimeLimit(TrainHook):
+        name = "time_limit"
+        stages = ("post_update",)
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.t0 = None
+        def __init__(self):
+            self.t0 = None
 
-    def after_update(self, trainer):
-        if self.t0 is None:
-            self.t0 = time.perf_counter()
-        elif time.perf_counter() - self.t0 > self.seconds:
-            trainer.cfg.frames = trainer.frames
+        def after_update(self, trainer):
+            if self.t0 is None:
+                self.t0 = time.perf_counter()
+            elif time.perf_counter() - self.t0 > seconds:
+                trainer.cfg.frames = trainer.frames
 
-
-def timed_hooks(cfg, seconds: float) -> list:
-    """The run's intrinsic-reward hooks (none without one), then the time limit."""
+    trainer_cls = trainer_cls or Trainer
+    if hasattr(trainer_cls, "from_config"):
+        return trainer_cls.from_config(cfg, hooks=[TimeLimit()])
+    # code from before Trainer.from_config (--baseline-code): its hooks built by hand
     from torchrl_oni.train.intrinsic import build_intrinsic_hooks
 
-    return build_intrinsic_hooks(cfg) + [_TimeLimit(seconds)]
+    return trainer_cls(cfg, hooks=build_intrinsic_hooks(cfg) + [TimeLimit()])
 
 
 def steady_state(rows: list) -> tuple:
@@ -106,7 +111,7 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         frames_per_update=None, acting: str = "workers", minibatch_size=None, intrinsic_reward: str = "none",
         prefetch_batches=None, compile=None, task=None) -> dict:
     import torch
-    from torchrl_oni.train import TrainConfig, Trainer
+    from torchrl_oni.train import TrainConfig
     try:
         from torchrl_oni.train.run_log import read_metrics
     except ImportError:  # code from before the module's rename (--baseline-code)
@@ -129,7 +134,7 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
     cfg = TrainConfig(frames=10**9, workers=workers, envs_per_worker=envs, rollout=rollout, arch=arch, device=device,
                       logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9,
                       minibatch_size=minibatch_size or max(envs * rollout, 256), **extra)
-    trainer = Trainer(cfg, hooks=timed_hooks(cfg, seconds))
+    trainer = timed_trainer(cfg, seconds)
     t0 = time.perf_counter()
     learner_device = str(trainer.device)
     util = _GPUUtilisation(learner_device) if torch.device(learner_device).type == "cuda" else None

@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 # this folder is the script's: the time limit and the steady-state cut of the end-to-end benchmark
-from train_throughput import steady_state, timed_hooks
+from train_throughput import steady_state, timed_trainer
 
 
 class _StandInCollector:
@@ -79,7 +79,7 @@ def run(seconds: float, arch: str, device: str, frames_per_update: int, intrinsi
             return self.collector
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))  # what the trainer keeps beside its workers
-    trainer = StandInTrainer(cfg, hooks=timed_hooks(cfg, seconds))
+    trainer = timed_trainer(cfg, seconds, StandInTrainer)
     trainer.train()
     fps, last, stages = steady_state(read_metrics(logdir))
     return {"arch": arch, "frames_per_update": frames_per_update, "intrinsic_reward": intrinsic_reward,

@@ -20,14 +20,13 @@ import tempfile
 
 def run(value_heads: int, seed: int, frames: int, **env) -> dict:
     from torchrl_oni.train import TrainConfig, Trainer
-    from torchrl_oni.train.intrinsic import build_intrinsic_hooks
     from torchrl_oni.train.run_log import read_metrics
 
     logdir = tempfile.mkdtemp(prefix=f"oni-heads{value_heads}-s{seed}-")
     cfg = TrainConfig(task="score", frames=frames, seed=seed, logdir=logdir, value_heads=value_heads,
                       intrinsic_reward="retrieval", annotator="scripted", extrinsic_coeff=0.1,
                       intrinsic_coeff=0.4, progress=False, tensorboard=False, **env)
-    Trainer(cfg, hooks=build_intrinsic_hooks(cfg)).train()
+    Trainer.from_config(cfg).train()
     rows = [r for r in read_metrics(logdir) if "episode/return" in r]
     if not rows:
         raise SystemExit(f"error: no episode ended in {frames:,} frames ({logdir}): raise --frames")

@@ -9,21 +9,35 @@ Rules (``--check`` exits 1 naming the offending imports when one is broken):
    units sort into layers and every import runs *down* them. A package's ``__init__`` that
    re-exports its submodules counts as the package.
 
+An import is any of: an ``import`` statement (anywhere: a function, a module-level
+``__getattr__`` that loads names lazily), and a module named by a string at run time —
+``importlib.import_module(name[, package])``, ``importlib.util.find_spec``, ``__import__``,
+``runpy.run_module``. The string is read from the code without running it (literals,
+``__name__``/``__package__``, names assigned in the file, f-strings, ``+``, the values of the dict
+or tuple it is looked up in, ``str.rpartition`` and the like); a part computed at run time, such
+as ``f"{package}.{module.name}"`` in a plugin discovery, stands for any name there (every
+submodule of the package). A name the code cannot tell at all (a user's ``package.module:Factory``)
+counts as every string of the file that names a module of the package. ``--dynamic`` lists these
+imports and what each was read as.
+
 ``--write`` regenerates the block between the markers in ``docs/design.md`` (the layers, lowest
 first, each unit with the units it imports); ``--check`` also fails when that block is stale, so
 the picture in the design notes stays true. Run from the repository root::
 
     python docs/import_graph.py --write
     python docs/import_graph.py --check
+    python docs/import_graph.py --dynamic
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import fnmatch
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "torchrl_oni"
@@ -42,11 +56,215 @@ def module_files(package_dir: Path) -> Dict[str, Path]:
     return out
 
 
-def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
-    """The package's modules that ``name`` imports anywhere in its file (functions included)."""
+# Calls that import the module a string names: where their name and package arguments are
+# (position, keyword); None where the call takes no package. __import__'s level and fromlist are
+# read as well.
+DYNAMIC_CALLS = {
+    "importlib.import_module": ((0, "name"), (1, "package")),
+    "importlib.util.find_spec": ((0, "name"), (1, "package")),  # imports the parents of a submodule
+    "runpy.run_module": ((0, "mod_name"), None),
+    "importlib.__import__": ((0, "name"), None),
+    "builtins.__import__": ((0, "name"), None),
+}
+WILDCARD = "*"  # a part of a name computed at run time: any text there
+_UNREAD = object()  # a tuple's element that cannot be read
+_STR_METHODS = {"rpartition", "partition", "rsplit", "split", "strip", "lstrip", "rstrip", "replace", "lower"}
+_DOTTED = re.compile(r"^\.*[A-Za-z_][\w.]*$")
+
+
+class DynamicImport(NamedTuple):
+    """One import of a module named by a string: where it is, and what it was read as."""
+
+    module: str
+    line: int
+    call: str
+    targets: Tuple[str, ...]
+    guessed: bool  # the name could not be read: every module the file names by a string is assumed
+
+
+class _Strings:
+    """The values an expression may take, read from the code without running it.
+
+    Literals, ``__name__``/``__package__``, names assigned anywhere in the file (every binding
+    counts), f-strings and ``+`` (a part that cannot be read becomes :data:`WILDCARD`), indexing
+    and ``.get`` on a dict, tuple or list (any of its values), and a few ``str`` methods.
+    ``None`` when a value cannot be read at all.
+    """
+
+    LIMIT = 256  # possible values of one expression; beyond that it is not followed
+
+    def __init__(self, tree: ast.AST, name: str, package: str):
+        self.known = {"__name__": [name], "__package__": [package]}
+        self.assigned: Dict[str, List[Optional[ast.AST]]] = defaultdict(list)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    self._bind(target, node.value)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+                self._bind(node.target, node.value if not isinstance(node, ast.AugAssign) else None)
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                self._bind(node.target, ast.Starred(node.iter))  # a loop variable: any element
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                args = node.args
+                for arg in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]:
+                    if arg is not None:
+                        self.assigned[arg.arg].append(None)  # a parameter: whatever the caller passes
+
+    def _bind(self, target, value) -> None:
+        if isinstance(target, ast.Name):
+            self.assigned[target.id].append(value)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            # unpacked: each name is the element at its place (a starred name is not followed)
+            starred = any(isinstance(e, ast.Starred) for e in target.elts)
+            for i, element in enumerate(target.elts):
+                self._bind(element, None if value is None or starred else ast.Subscript(value, ast.Constant(i)))
+        elif isinstance(target, ast.Starred):
+            self._bind(target.value, None)
+
+    def __call__(self, node, seen: Tuple[str, ...] = ()) -> Optional[list]:
+        if node is None or len(seen) > 20:
+            return None
+        if isinstance(node, ast.Constant):
+            return [node.value]
+        if isinstance(node, ast.Name):
+            if node.id in self.known:
+                return list(self.known[node.id])
+            if node.id in seen or not self.assigned.get(node.id):
+                return None
+            return self._union([self(v, seen + (node.id,)) for v in self.assigned[node.id]])
+        if isinstance(node, ast.Starred):
+            return self._elements(node.value, seen)
+        if isinstance(node, (ast.Tuple, ast.List)):
+            # an element that cannot be read (a function) leaves the others readable by index
+            return self._product([self(e, seen) or [_UNREAD] for e in node.elts])
+        if isinstance(node, ast.JoinedStr):
+            parts = []
+            for value in node.values:
+                got = self(value.value, seen) if isinstance(value, ast.FormattedValue) else [value.value]
+                parts.append(got if got and all(isinstance(v, str) for v in got) else [WILDCARD])
+            joined = self._product(parts)
+            return None if joined is None else ["".join(c) for c in joined]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = self(node.left, seen), self(node.right, seen)
+            if left is None or right is None:
+                return None
+            pairs = self._product([left, right])
+            return None if pairs is None else [a + b for a, b in pairs if isinstance(a, str) and isinstance(b, str)]
+        if isinstance(node, ast.Subscript):
+            index = self(node.slice, seen)
+            values = self(node.value, seen)
+            if index is not None and values is not None and all(isinstance(i, int) for i in index):
+                return [v[i] for v in values for i in index if isinstance(v, (str, tuple)) and -len(v) <= i < len(v)]
+            return self._elements(node.value, seen)  # d[key]: any of d's values
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method = node.func.attr
+            if method == "get":  # d.get(key[, default])
+                values = self._elements(node.func.value, seen)
+                default = self(node.args[1], seen) if len(node.args) > 1 else []
+                return None if values is None or default is None else values + default
+            if method in _STR_METHODS and not node.keywords:
+                receivers = self(node.func.value, seen)
+                args = [self(a, seen) for a in node.args]
+                if receivers is None or any(a is None or len(a) != 1 for a in args):
+                    return None
+                try:
+                    return [getattr(r, method)(*[a[0] for a in args]) for r in receivers if isinstance(r, str)]
+                except (TypeError, ValueError):
+                    return None
+        return None
+
+    def _elements(self, node, seen: Tuple[str, ...]) -> Optional[list]:
+        """Any value of the dict (any element of the tuple, list or set) ``node`` stands for."""
+        if isinstance(node, ast.Name):
+            if node.id in seen or not self.assigned.get(node.id):
+                return None
+            return self._union([self._elements(v, seen + (node.id,)) for v in self.assigned[node.id]])
+        if isinstance(node, ast.Dict):
+            return self._union([self(v, seen) for v in node.values])
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return self._union([self(e, seen) for e in node.elts])
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "values":
+            return self._elements(node.func.value, seen)
+        values = self(node, seen)  # an expression whose values are tuples: any of their elements
+        if values is None or not all(isinstance(v, tuple) for v in values):
+            return None
+        return self._union([list(v) for v in values])
+
+    def _union(self, parts) -> Optional[list]:
+        if not parts or any(p is None for p in parts):
+            return None
+        out = [v for p in parts for v in p]
+        return out if len(out) <= self.LIMIT else None
+
+    def _product(self, parts) -> Optional[list]:
+        out = [()]
+        for options in parts:
+            out = [prefix + (o,) for prefix in out for o in options]
+            if len(out) > self.LIMIT:
+                return None  # too many to list: unreadable, never cut short
+        return out
+
+
+def _bindings(tree: ast.AST) -> Dict[str, str]:
+    """Local name -> the dotted name it was imported as (``il`` -> ``importlib``)."""
+    out = {"__import__": "builtins.__import__"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                out[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                out[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return out
+
+
+def _dotted(node, bindings: Dict[str, str]) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in bindings:
+        return None
+    return ".".join([bindings[node.id]] + parts[::-1])
+
+
+def _argument(call: ast.Call, where) -> Optional[ast.AST]:
+    if where is None:
+        return None
+    position, keyword = where
+    positional = [a for a in call.args if not isinstance(a, ast.Starred)]
+    if len(positional) == len(call.args) and len(positional) > position:
+        return call.args[position]
+    return next((k.value for k in call.keywords if k.arg == keyword), None)
+
+
+def _absolute(name: str, package: str) -> str:
+    """``importlib.util.resolve_name``, without importing anything."""
+    level = len(name) - len(name.lstrip("."))
+    if not level:
+        return name
+    base = package.rsplit(".", level - 1)[0] if level > 1 else package
+    return f"{base}.{name[level:]}" if name[level:] else base
+
+
+def _module_of(target: str, modules: Dict[str, Path]) -> List[str]:
+    """The package's modules a dotted name imports (``a.b.attr`` -> ``a.b``; a wildcard: all it matches)."""
+    if WILDCARD in target:
+        return sorted(m for m in modules if fnmatch.fnmatchcase(m, target))
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return [target] if target else []
+
+
+def _scan(name: str, path: Path, modules: Dict[str, Path]) -> Tuple[Set[str], List[DynamicImport]]:
+    """(the modules ``name`` imports by statement, its imports of modules named by a string)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    dynamic = []
+    bindings = _bindings(tree)
+    strings = None
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -57,14 +275,54 @@ def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
                 module = node.module or ""
             # ``from pkg import submodule`` imports the submodule; ``from pkg import name`` the package
             targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names]
+        elif isinstance(node, ast.Call) and _dotted(node.func, bindings) in DYNAMIC_CALLS:
+            call = _dotted(node.func, bindings)
+            strings = strings or _Strings(tree, name, package)
+            name_at, package_at = DYNAMIC_CALLS[call]
+            names = strings(_argument(node, name_at))
+            packages = strings(_argument(node, package_at)) if _argument(node, package_at) is not None else [package]
+            packages = [p for p in packages or [package] if isinstance(p, str)]
+            if call.endswith("__import__") and names is not None:
+                # __import__(name, globals, locals, fromlist, level): relative by level; each name of
+                # fromlist may be a submodule, imported too
+                levels = strings(_argument(node, (4, "level"))) or [0]
+                fromlists = strings(_argument(node, (3, "fromlist"))) or [()]
+                # (as ``from name import item``: the submodule when there is one, else the module)
+                items = [i for f in fromlists for i in ((f,) if isinstance(f, str) else
+                                                       f if isinstance(f, tuple) else ()) if isinstance(i, str)] or [""]
+                names = [("." * level + n if n else "." * level) + (f".{item}" if item and n else item)
+                         if isinstance(n, str) and isinstance(level, int) else _UNREAD
+                         for n in names for level in levels for item in items]
+            guessed = names is None or not all(isinstance(n, str) for n in names)
+            if guessed:
+                # the name arrives at run time: every module the file names by a string might be it
+                # (not the packages above this module: Python imported them before it)
+                names = sorted({c.value for c in ast.walk(tree) if isinstance(c, ast.Constant)
+                                and isinstance(c.value, str) and _DOTTED.match(c.value)})
+                targets = sorted({_absolute(n, p) for n in names for p in packages if _absolute(n, p) in modules
+                                  and not name.startswith(_absolute(n, p) + ".")})
+            else:
+                targets = sorted({m for n in names for p in packages for m in _module_of(_absolute(n, p), modules)})
+            dynamic.append(DynamicImport(name, node.lineno, call.rpartition(".")[2], tuple(targets), guessed))
         else:
             continue
         for target in targets:
-            while target and target not in modules:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
-    return found
+            for module in _module_of(target, modules):
+                if module != name:
+                    found.add(module)
+    return found, dynamic
+
+
+def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
+    """The package's modules that ``name`` imports anywhere in its file (functions included), by
+    statement or by a string given to ``importlib``/``__import__``."""
+    return _scan(name, path, modules)[0]
+
+
+def dynamic_imports(package_dir: Path) -> List[DynamicImport]:
+    """Every import of a module named by a string in the package, and what it was read as."""
+    modules = module_files(package_dir)
+    return [d for name, path in modules.items() for d in _scan(name, path, modules)[1]]
 
 
 def strongly_connected(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -183,9 +441,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 on a circle, an upward import or a stale design.md")
     parser.add_argument("--write", action="store_true", help="regenerate the graph's block in docs/design.md")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="list the imports of modules named by strings (importlib, __import__) and what each "
+                             "was read as")
     parser.add_argument("--package-dir", type=Path, default=ROOT / PACKAGE)
     parser.add_argument("--design", type=Path, default=DESIGN)
     args = parser.parse_args(argv)
+    if args.dynamic:
+        for d in dynamic_imports(args.package_dir):
+            how = "guessed from the file's strings" if d.guessed else "read"
+            print(f"{d.module}:{d.line} {d.call}() -> {', '.join(d.targets) or '(outside the package)'}  [{how}]")
+        return 0
     found = problems(args.package_dir)
     for line in found:
         print(line)

@@ -6,7 +6,7 @@ import tempfile
 
 import pytest
 
-# ``from helpers import ...`` and ``from fake_llm_server import ...`` work in every import mode.
+# ``from helpers import ...`` works in every import mode.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 

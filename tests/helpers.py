@@ -1,7 +1,7 @@
 """Plain helpers shared by the test modules (fixtures live in ``conftest.py``).
 
 Test modules import them as ``from helpers import ...``: ``tests/conftest.py`` puts this folder
-on ``sys.path`` (as it does for ``fake_llm_server``).
+on ``sys.path``.
 """
 from __future__ import annotations
 

@@ -15,9 +15,10 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl_oni.envs import NLEBatchEnv
 from torchrl_oni.train.acting import PolicyServer, PolicyServerGone
 from torchrl_oni.train.config import TrainConfig
-from torchrl_oni.train.distributed import ServedPolicyCollector, make_collector
+from torchrl_oni.train.backends import make_collector
+from torchrl_oni.train.distributed import ServedPolicyCollector
 from torchrl_oni.train.policy import TRUNK_KEYS, ActingActor, PlainStep, acting_copy, make_actor_critic, recurrent_primer
-from torchrl_oni.train.ppo import make_env_factory
+from torchrl_oni.train.env_factory import make_env_factory
 
 GAMES, STEPS = 4, 16
 

@@ -1,7 +1,7 @@
 """Annotation that survives slow, dead and flaky LLM servers (issues 11 and 14).
 
 Every test runs the real pieces together: ``LLMAnnotationTransform`` (its worker thread and
-the ``CaptionStore``) and ``OpenAIAnnotator`` over HTTP against ``tests/fake_llm_server.py``,
+the ``CaptionStore``) and ``OpenAIAnnotator`` over HTTP against ``torchrl_oni.testing.FakeLLMServer``,
 with time scaled down (timeouts, probes and backoffs of tenths of a second).
 """
 import asyncio
@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from helpers import RULES, TIMEOUT, poll
 from torchrl_oni.annotation import AnnotationWorker, LLMAnnotationTransform
 from torchrl_oni.annotators import AnnotatorUnavailable, OpenAIAnnotator
-from torchrl_oni.annotators.client import AUTH_ERROR, resolve_model
+from torchrl_oni.annotators.endpoints import AUTH_ERROR, resolve_model
 from torchrl_oni.captions import encode_messages, hash_messages
 from torchrl_oni.store import FAILED, CaptionStore
 from torchrl_oni.testing import FakeLLMServer

@@ -50,9 +50,8 @@ def test_a_registered_annotator_is_a_choice_of_the_cli_labels_a_run_and_its_labe
                       rollout=16, minibatch_size=32, logdir=logdir, progress=False, tensorboard=False, seed=3)
     assert TrainConfig.from_dict(cfg.to_dict()).annotation.annotator == "toy"
     from torchrl_oni.train import Trainer
-    from torchrl_oni.train.intrinsic import build_intrinsic_hooks
 
-    summary = Trainer(cfg, hooks=build_intrinsic_hooks(cfg)).train()  # the trainer closes its hooks
+    summary = Trainer.from_config(cfg).train()  # the trainer closes its hooks
     assert summary["frames"] >= 512
     assert toy == [("default", 3)]  # built once, from the annotation section, with the run's seed
     store = CaptionStore.load(os.path.join(logdir, CAPTION_STORE_NAME))
@@ -61,12 +60,11 @@ def test_a_registered_annotator_is_a_choice_of_the_cli_labels_a_run_and_its_labe
     assert store.provenances == [TOY]
 
 
-def test_make_annotator_takes_the_section_or_the_whole_tree(toy):
+def test_make_annotator_takes_the_annotation_section_and_the_seed(toy):
     cfg = TrainConfig(annotator="toy", goal="gold", seed=7)
-    ann, server = make_annotator(cfg.annotation, seed=7)
+    ann, server = make_annotator(cfg.annotation, seed=cfg.seed)
     assert isinstance(ann, _Toy) and server is None
-    make_annotator(cfg)  # the old call form: the tree, whose seed is used
-    assert toy == [("gold", 7), ("gold", 7)]
+    assert toy == [("gold", 7)]
 
 
 def test_entries_say_what_the_built_in_annotators_are():

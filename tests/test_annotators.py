@@ -1,5 +1,5 @@
 """Tests of the annotators: prompts, parsing, the scripted rules and the OpenAI-compatible client
-against a fault-injecting fake server (tests/fake_llm_server.py)."""
+against a fault-injecting fake server (torchrl_oni.testing.FakeLLMServer)."""
 import asyncio
 import socket
 import time
@@ -19,13 +19,14 @@ from torchrl_oni.annotators import (
     ScriptedAnnotator,
 )
 from torchrl_oni.annotators import prompts as P
-from torchrl_oni.annotators.client import RequestSizer, resolve_model
+from torchrl_oni.annotators.endpoints import resolve_model
 from torchrl_oni.annotators.parsing import (
     parse_label,
     parse_preference,
     parse_yes_no,
     score_from_top_logprobs,
 )
+from torchrl_oni.annotators.pacing import RequestSizer
 from torchrl_oni.annotators.scripted import NOT_PROGRESS_EXAMPLES
 from torchrl_oni.captions import MESSAGE_LEN, decode_message, encode_message
 from torchrl_oni.testing import (

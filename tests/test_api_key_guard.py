@@ -23,9 +23,9 @@ def test_the_environment_key_does_not_follow_a_url_from_a_file(tmp_path, monkeyp
 
 
 def test_a_key_over_plain_http_off_loopback_is_warned_about():
-    from torchrl_oni.train.cli import _guard_api_key
+    from torchrl_oni.train.cli import guard_api_key
 
-    remote = TrainConfig(llm_url=("http://gpu-node:8000/v1",), llm_api_key="k")
-    assert any("over plain http" in line for line in _guard_api_key(remote, from_command_line=True))
+    remote = TrainConfig(llm_url=("http://gpu-node:8000/v1",), llm_api_key="k").annotation
+    assert any("over plain http" in line for line in guard_api_key(remote, from_command_line=True))
     for url in ("https://gpu-node/v1", "http://127.0.0.1:8000/v1", "http://localhost:8000/v1"):
-        assert _guard_api_key(TrainConfig(llm_url=(url,), llm_api_key="k"), from_command_line=True) == []
+        assert guard_api_key(TrainConfig(llm_url=(url,), llm_api_key="k").annotation, from_command_line=True) == []

@@ -34,7 +34,7 @@ def test_a_registered_backend_is_a_choice_of_the_cli_and_trains(in_process):
     assert TrainConfig.from_dict(cfg.to_dict()).distributed.backend == "in-process"
     from torchrl_oni.train import Trainer
 
-    summary = Trainer(cfg).train()
+    summary = Trainer.from_config(cfg).train()
     assert summary["frames"] >= 256
 
 

@@ -470,8 +470,8 @@ def world(tmp_path_factory):
     from torchrl_oni.train import TrainConfig, Trainer
 
     run = root / "run"
-    Trainer(TrainConfig(frames=256, workers=1, envs_per_worker=2, rollout=32, logdir=str(run),
-                        max_episode_steps=20, progress=False, tensorboard=False)).save()
+    Trainer.from_config(TrainConfig(frames=256, workers=1, envs_per_worker=2, rollout=32, logdir=str(run),
+                                    max_episode_steps=20, progress=False, tensorboard=False)).save()
     samples["captions.pt"].parent.joinpath("captions.pt")
     (run / "captions.pt").write_bytes(samples["captions.pt"].read_bytes())
     (run / "metrics.csv").write_bytes(samples["metrics.csv"].read_bytes())

@@ -108,7 +108,7 @@ def test_a_run_trains_with_compile(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "compile", compile_without_codegen)
     cfg = TrainConfig(frames=3 * 128, workers=1, envs_per_worker=4, rollout=32, compile="default",
                       logdir=str(tmp_path), progress=False, tensorboard=False)
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     calls = []
     trainer.learner.run_actor_loss.register_forward_hook(lambda *args: calls.append(1))
     summary = trainer.train()

@@ -22,7 +22,7 @@ from torchrl_oni.annotators.goals import (
     goal_messages,
     parse_goals,
 )
-from torchrl_oni.annotators.client import AnnotatorUnavailable
+from torchrl_oni.annotators.endpoints import AnnotatorUnavailable
 from torchrl_oni.captions import encode_messages, hash_messages
 from torchrl_oni.envs.state_captions import HUNGER_WORDS, StateCaptioner, glyph_phrases, state_hash
 from torchrl_oni.rewards.ellm import (

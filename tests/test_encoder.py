@@ -1,4 +1,4 @@
-"""Tests of torchrl_oni.rewards.encoder: the MiniLM sentence encoder against the model card's
+"""Tests of torchrl_oni.rewards.text's sentence encoders: the MiniLM sentence encoder against the model card's
 recipe, caching and batching, the hashed fallback, and the encoder choice."""
 import logging
 import sys
@@ -118,7 +118,8 @@ def test_encoder_vectors_adapt_to_bow():
 
 def test_bow_vector_kinds():
     from torchrl_oni.captions import encode_messages, hash_messages
-    from torchrl_oni.rewards.bow import BoWReward, HashedWordVectors, make_vectors
+    from torchrl_oni.rewards.bow import BoWReward
+    from torchrl_oni.rewards.text import HashedWordVectors, make_vectors
     from torchrl_oni.stats import auc
 
     assert isinstance(make_vectors("hashed"), HashedWordVectors)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from torchrl_oni.captions import encode_messages, hash_messages
-from torchrl_oni.evaluate import EVAL_NAME, evaluate, main, plan_shards
+from torchrl_oni.evaluate import EVAL_NAME, _episode_row, evaluate, main, plan_shards
+from torchrl_oni.progression import progression
 from torchrl_oni.replay import load_episode
 from torchrl_oni.stats import mean_ci, t_quantile_975, wilson_interval
 from torchrl_oni.train import TrainConfig, Trainer
@@ -22,7 +23,7 @@ def _run(folder, **kw):
     """A run folder with a freshly initialised checkpoint (evaluation needs no training)."""
     cfg = TrainConfig(frames=256, workers=1, envs_per_worker=2, rollout=32, logdir=str(folder),
                       max_episode_steps=STEPS, progress=False, tensorboard=False, **kw)
-    Trainer(cfg).save()
+    Trainer.from_config(cfg).save()
     return str(folder)
 
 
@@ -51,7 +52,12 @@ def test_cli_prints_table_then_json_and_writes_eval_json(light_run, capsys):
         s = summary[key]
         assert s["n"] == 5 and s["ci95"][0] <= s["mean"] <= s["ci95"][1]
     saved = json.load(open(f"{light_run}/{EVAL_NAME}"))
-    assert len(saved.pop("per_episode")) == 5
+    per_episode = saved.pop("per_episode")
+    assert len(per_episode) == 5
+    # BALROG's progression: per episode, and its mean with a t interval as the other statistics
+    assert all(e["progression"] == progression(e["max_dlvl"], e["xlvl"]) for e in per_episode)
+    assert summary["progression"] == mean_ci([e["progression"] for e in per_episode])
+    assert any(line.startswith("progression %") for line in out[:-1])
     saved.pop("eval_json", None)
     assert saved == {k: v for k, v in summary.items() if k != "eval_json"}
     assert summary["messages"]["approved_share"] is None  # no caption store in this run
@@ -255,6 +261,23 @@ def test_worker_processes_play_the_same_games(light_run):
     two = evaluate(light_run, episodes=4, workers=2, envs_per_worker=2, write=False, progress=False)
     assert two["workers"] == 2
     assert one["per_episode"] == two["per_episode"]
+
+
+def test_an_episodes_progression_counts_its_deepest_and_highest_levels():
+    from tensordict import TensorDict
+
+    # a time-out on dungeon level 3 at experience level 5, after reaching level 4 and, before a
+    # level drain, experience level 7: BALROG's table gives 2.1 % for dungeon level 4, 5.1 % for
+    # experience level 7 (and 2.9 % for experience level 5)
+    episode = TensorDict({"return": torch.tensor(0.0), "length": torch.tensor(100), "dlvl": torch.tensor(3),
+                          "xlvl": torch.tensor(5), "gold": torch.tensor(0), "scout": torch.tensor(10),
+                          "kills": torch.tensor(0), "end_status": torch.tensor(-1),
+                          "success": torch.tensor(False)}, [])
+    row = _episode_row(0, episode, None, 0, 4, set(), [], (), 7)
+    assert (row["max_dlvl"], row["xlvl"], row["end"]) == (4, 5, "timeout")
+    assert row["progression"] == 0.0507583712345433
+    row = _episode_row(0, episode, None, 0, 4, set(), [], (), 0)  # no drain seen: the last level counts
+    assert row["progression"] == 0.029108986017138745
 
 
 def test_plan_and_intervals_against_references():

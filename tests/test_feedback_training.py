@@ -25,10 +25,12 @@ from torchrl_oni.captions import decode_message, encode_messages, hash_messages
 from torchrl_oni.envs import NLEBatchEnv
 from torchrl_oni.envs.batched import SCREEN_KEYS
 from torchrl_oni.envs.tasks import OBSERVATION_KEYS, make_task
+from torchrl_oni.run_folder import CAPTION_STORE_NAME
 from torchrl_oni.store import HUMAN, CaptionStore
+from torchrl_oni.train.build import build_intrinsic_hook
 from torchrl_oni.train.cli import main
 from torchrl_oni.train.config import TrainConfig
-from torchrl_oni.train.intrinsic import CAPTION_STORE_NAME, IntrinsicRewardHook
+from torchrl_oni.train.intrinsic import IntrinsicRewardHook
 from torchrl_oni.train.run_log import read_metrics
 
 torch.set_num_threads(1)
@@ -104,9 +106,9 @@ def _rollout(seed=0, games=4, steps=24):
 
 def _hook(tmp_path, **settings):
     cfg = TrainConfig(intrinsic_reward="retrieval", annotator="scripted", human_feedback=True, feedback_port=0,
-                      logdir=str(tmp_path), frames=4096, **settings)
+                      logdir=str(tmp_path), frames=4096, **settings).resolved()
     cfg.validate()
-    return IntrinsicRewardHook(cfg)
+    return build_intrinsic_hook(cfg)
 
 
 def test_a_persons_label_reaches_the_reward_from_the_next_batch(tmp_path):
@@ -119,17 +121,17 @@ def test_a_persons_label_reaches_the_reward_from_the_next_batch(tmp_path):
     assert text.startswith("Hello Agent") and ScriptedAnnotator().label(text) == 0.0
     hook = _hook(tmp_path)
     try:
-        port = hook.feedback.port
+        port = hook.labelling.feedback.port
         out = hook.on_batch(batch.clone())
         assert not {k for k in out.keys(True, True) if "tty" in str(k)}  # PPO never carries the screens
-        assert hook.annotation.wait_idle(20)
+        assert hook.labelling.annotation.wait_idle(20)
         # the rules' labels came after `out` was paid (asynchronously); this batch has all of them
         labelled = hook.on_batch(batch.clone())
         steps = labelled["caption_hash"] == welcome
         assert steps.any() and (labelled["next", "intrinsic_reward"].squeeze(-1)[steps] == 0).all()
         # the screen of every caption new to the store was kept, and the page serves it
         distinct = set(batch["caption_hash"].reshape(-1).tolist())
-        assert all(h in hook.snapshots for h in distinct)
+        assert all(h in hook.labelling.snapshots for h in distinct)
         screen = _call(port, f"/api/screen?id={welcome}")
         assert screen["rows"][0].startswith("Hello Agent") and len(screen["rows"]) == 24
         # a person says "progress" (the rules said not): it replaces the LLM's label at once ...
@@ -137,7 +139,7 @@ def test_a_persons_label_reaches_the_reward_from_the_next_batch(tmp_path):
         item = next(x for x in queue["items"] if x["id"] == str(welcome))
         assert item["llm"]["label"] == 0.0 and item["screen"] is True
         answer = _call(port, "/api/label", {"id": str(welcome), "answer": "progress"})
-        assert answer["given"] == 1 and _provenance(hook.store, welcome).annotator == HUMAN
+        assert answer["given"] == 1 and _provenance(hook.labelling.store, welcome).annotator == HUMAN
         # ... and pays from the next batch: R(m) = 1, count-decayed
         again = hook.on_batch(batch.clone())
         value = again["next", "intrinsic_reward"].squeeze(-1)
@@ -145,13 +147,13 @@ def test_a_persons_label_reaches_the_reward_from_the_next_batch(tmp_path):
         torch.testing.assert_close(value[steps].double(), counts[steps] ** -3.0)
         assert (value[~steps] == labelled["next", "intrinsic_reward"].squeeze(-1)[~steps]).all()
         # a late LLM answer cannot take it back
-        assert hook.store.set_labels([welcome], [0.0], ScriptedAnnotator().provenance).tolist() == [False]
+        assert hook.labelling.store.set_labels([welcome], [0.0], ScriptedAnnotator().provenance).tolist() == [False]
         metrics = hook.metrics()
         assert metrics["human/labels"] == 1 and metrics["human/compared"] == 1 and metrics["human/agreement"] == 0
         assert metrics["human/captions_in_store"] == 1 and metrics["human/page_up"] == 1
     finally:
         hook.close()
-    assert not hook.feedback.running
+    assert not hook.labelling.feedback.running
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()  # the page is gone with the run
     store_path = os.path.join(tmp_path, CAPTION_STORE_NAME)
@@ -170,7 +172,7 @@ def test_a_stuck_or_closed_page_never_stalls_training(tmp_path):
         hook.on_batch(batch.clone())  # warm-up: the annotation worker starts
         # a browser that sent half a request and hangs, another that went away mid-request
         for partial in (b"GET /api/queue HTTP/1.1\r\nHost: 127.0.0.1\r\n", b"POST /api/label HTTP/1.1\r\n"):
-            s = socket.create_connection(("127.0.0.1", hook.feedback.port), timeout=5)
+            s = socket.create_connection(("127.0.0.1", hook.labelling.feedback.port), timeout=5)
             s.sendall(partial)
             stuck.append(s)
         stuck.pop().close()
@@ -178,7 +180,7 @@ def test_a_stuck_or_closed_page_never_stalls_training(tmp_path):
             start = time.monotonic()
             hook.on_batch(batch.clone())
             assert time.monotonic() - start < 5.0
-        hook.feedback.stop()  # the page is gone (crashed, or stopped): training goes on
+        hook.labelling.feedback.stop()  # the page is gone (crashed, or stopped): training goes on
         start = time.monotonic()
         out = hook.on_batch(batch.clone())
         assert time.monotonic() - start < 5.0 and ("next", "intrinsic_reward") in out.keys(True)
@@ -200,8 +202,8 @@ def test_a_person_labels_with_the_keyboard_during_training(tmp_path, browser):
     driver = browser
     try:
         hook.on_batch(batch.clone())
-        assert hook.annotation.wait_idle(20)
-        driver.get(hook.feedback.url)
+        assert hook.labelling.annotation.wait_idle(20)
+        driver.get(hook.labelling.feedback.url)
         wait_for(lambda: driver.execute_script("return document.body.dataset.ready === '1'"))
         wait_for(lambda: page_ready(driver))
         shown = driver.find_element(By.ID, "message").text
@@ -209,8 +211,8 @@ def test_a_person_labels_with_the_keyboard_during_training(tmp_path, browser):
         assert wait_for(lambda: driver.find_element(By.ID, "screen").text).splitlines()  # its game screen
         press(driver, "p")
         wait_for(lambda: driver.find_element(By.ID, "counter").text == "1 label given")
-        assert hook.store.lookup([caption])[0].tolist() == [1.0]
-        assert _provenance(hook.store, caption) == Provenance(HUMAN, "web", "feedback-v1")
+        assert hook.labelling.store.lookup([caption])[0].tolist() == [1.0]
+        assert _provenance(hook.labelling.store, caption) == Provenance(HUMAN, "web", "feedback-v1")
         hook.on_batch(batch.clone())  # training goes on while the page is open
     finally:
         hook.close()
@@ -232,9 +234,9 @@ def test_rune_bonus_joins_the_optimised_reward_and_decays(tmp_path):
 
     cfg = TrainConfig(intrinsic_reward="classification", annotator="scripted", rm_ensemble=3, rm_rune_beta=0.5,
                       rm_rune_decay=0.1, logdir=str(tmp_path), rm_time_fraction=0.0, rm_steps_per_labels=2,
-                      rm_batch_size=16)
+                      rm_batch_size=16).resolved()
     cfg.validate()
-    hook = IntrinsicRewardHook(cfg)
+    hook = build_intrinsic_hook(cfg)
     try:
         texts, counts = ["You kill the newt!", "It's a wall.", "You kill the newt!", "12 gold pieces."], [1, 2, 3, 1]
         batch = _crafted_batch(texts, counts)
@@ -261,10 +263,11 @@ def test_rune_bonus_joins_the_optimised_reward_and_decays(tmp_path):
         assert state["rune"]["t"] == 2
     finally:
         hook.close(save=False)
-    resumed = IntrinsicRewardHook(cfg)
+    resumed = build_intrinsic_hook(cfg)
     try:
         resumed.load_state_dict(state)
-        assert resumed.rune.reward.beta == pytest.approx(0.5 * 0.9 ** 2)
+        assert resumed.after_reward.name == "rune"
+        assert resumed.after_reward.reward.beta == pytest.approx(0.5 * 0.9 ** 2)
         probe = resumed.reward.member_probabilities(batch["message"])
         assert torch.equal(probe, hook.reward.member_probabilities(batch["message"]))  # same members back
     finally:
@@ -277,9 +280,9 @@ def test_ranking_ensemble_queues_the_most_disputed_pairs_within_the_budget(tmp_p
     from torchrl_oni.rewards.ranking import PairQueue
 
     cfg = TrainConfig(intrinsic_reward="ranking", annotator="scripted", rm_ensemble=2, query_selection="disagree",
-                      label_budget=50_000, ranking_pairs=4, logdir=str(tmp_path))
+                      label_budget=50_000, ranking_pairs=4, logdir=str(tmp_path)).resolved()
     cfg.validate()
-    hook = IntrinsicRewardHook(cfg)
+    hook = build_intrinsic_hook(cfg)
     try:
         assert isinstance(hook.reward, RankingEnsemble) and len(hook.reward.members) == 2
         assert isinstance(hook.rm_trainer, EnsembleRankingTrainer)
@@ -297,7 +300,7 @@ def test_ranking_ensemble_queues_the_most_disputed_pairs_within_the_budget(tmp_p
         texts = [f"You see here {i} gold pieces." for i in range(15)] + ["You kill the newt!", "It's a wall."]
         batch = _crafted_batch(texts, [1] * len(texts))  # 17 frames: 0.05 pair per frame -> 0 allowed
         hook.on_batch(batch.clone())
-        assert hook.store.num_pairs == 0 and not drawn
+        assert hook.labelling.store.num_pairs == 0 and not drawn
         big = _crafted_batch(texts * 4, [1] * (4 * len(texts)))  # 85 frames: 4 pairs allowed
         hook.on_batch(big)
         first, second, h1, h2 = drawn[-1]
@@ -305,13 +308,13 @@ def test_ranking_ensemble_queues_the_most_disputed_pairs_within_the_budget(tmp_p
         probs = hook.reward.pair_probabilities(torch.from_numpy(first), torch.from_numpy(second)).double()
         spread = probs.std(-1, unbiased=False).numpy()
         top = np.argsort(-spread, kind="stable")[:4]
-        rows = hook.store.pair_rows(torch.arange(hook.store.num_pairs))
+        rows = hook.labelling.store.pair_rows(torch.arange(hook.labelling.store.num_pairs))
         queued = set(zip(rows["caption_hash_a"].tolist(), rows["caption_hash_b"].tolist()))
         assert queued == set(zip(h1[top].tolist(), h2[top].tolist()))
-        assert queue.budget.spent == hook.store.num_pairs <= 4
+        assert queue.budget.spent == hook.labelling.store.num_pairs <= 4
         metrics = hook.metrics()
-        assert metrics["annotation/pairs_queued_total"] == hook.store.num_pairs
-        assert metrics["annotation/budget_spent"] == hook.store.num_pairs
+        assert metrics["annotation/pairs_queued_total"] == hook.labelling.store.num_pairs
+        assert metrics["annotation/budget_spent"] == hook.labelling.store.num_pairs
         assert "pair_queue" in hook.state_dict() and "sampler" in hook.state_dict()
     finally:
         hook.close(save=False)
@@ -319,15 +322,15 @@ def test_ranking_ensemble_queues_the_most_disputed_pairs_within_the_budget(tmp_p
 
 def test_teacher_annotator_from_the_configuration(tmp_path):
     from torchrl_oni.annotators import SimulatedTeacher
-    from torchrl_oni.train.intrinsic import make_annotator
+    from torchrl_oni.train.labelling import make_annotator
 
     cfg = TrainConfig(intrinsic_reward="retrieval", annotator="teacher", teacher_beta=2.0, teacher_epsilon=0.1,
                       goal="gold", seed=5)
     cfg.validate()
-    teacher, server = make_annotator(cfg)
+    teacher, server = make_annotator(cfg.annotation, seed=cfg.seed)
     assert isinstance(teacher, SimulatedTeacher) and server is None
     assert (teacher.beta, teacher.epsilon, teacher.seed, teacher.rules.goal) == (2.0, 0.1, 5, "gold")
-    rational, _ = make_annotator(TrainConfig(intrinsic_reward="retrieval", annotator="teacher"))
+    rational, _ = make_annotator(TrainConfig(intrinsic_reward="retrieval", annotator="teacher").annotation)
     assert rational.beta == float("inf") and rational.epsilon == 0.0
 
 

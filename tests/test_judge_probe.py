@@ -10,7 +10,7 @@ from torchrl_oni.annotators.base import Label
 from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS, probe_judge
 from torchrl_oni.testing import FakeLLMServer
 from torchrl_oni.train import TrainConfig
-from torchrl_oni.train.intrinsic import IntrinsicRewardHook
+from torchrl_oni.train.build import build_intrinsic_hook
 
 
 class _Constant(ScriptedAnnotator):
@@ -52,7 +52,7 @@ def test_a_judge_that_mostly_fails_to_answer_is_reported():
 
 def _hook(tmp_path, server):
     cfg = TrainConfig(intrinsic_reward="retrieval", llm_url=(server.url,), logdir=str(tmp_path), workers=1)
-    return IntrinsicRewardHook(cfg)
+    return build_intrinsic_hook(cfg.resolved())
 
 
 def test_a_yes_man_server_triggers_the_alarm_at_start_and_in_the_summary(tmp_path, caplog):
@@ -75,7 +75,7 @@ def test_a_sound_server_passes_and_nothing_is_said(tmp_path, caplog):
         with caplog.at_level(logging.INFO, logger="torchrl_oni"):
             hook = _hook(tmp_path, server)
         try:
-            assert hook.judge is not None and hook.judge.problem() is None
+            assert hook.labelling.judge is not None and hook.labelling.judge.problem() is None
             assert any(r.getMessage().startswith("judge probe: 13 of 13 answered, accuracy 100%")
                        for r in caplog.records)
             metrics = hook.metrics()
@@ -91,20 +91,20 @@ def test_the_positive_rate_is_watched_while_the_run_goes_on(tmp_path):
         hook = _hook(tmp_path, server)
         try:
             ok = {"labels/labelled": 5000, "labels/positive_fraction": 0.12, "labels/seen_coverage": 0.99}
-            assert hook._judge_problem(ok) is None
+            assert hook.labelling.judge_problem(ok) is None
             few = {**ok, "labels/labelled": 50, "labels/positive_fraction": 0.9}
-            assert hook._judge_problem(few) is None  # too few labels to judge the judge
+            assert hook.labelling.judge_problem(few) is None  # too few labels to judge the judge
             bad = {**ok, "labels/positive_fraction": 0.93}
-            assert "approved 93% of the 5,000 captions" in hook._judge_problem(bad)
+            assert "approved 93% of the 5,000 captions" in hook.labelling.judge_problem(bad)
             assert any("approved 93%" in w for w in hook.final_warnings(bad))
             # the empty message, the commonest caption of all, labelled progress
             from torchrl_oni.annotators.base import Provenance
             from torchrl_oni.captions import encode_messages, hash_messages
 
             empty = encode_messages([""])
-            hook.store.add(empty)
-            hook.store.set_labels(hash_messages(empty), [1.0], Provenance("llm", "fake-model", "v1"))
-            assert "labelled the empty message" in hook._judge_problem(ok)
+            hook.labelling.store.add(empty)
+            hook.labelling.store.set_labels(hash_messages(empty), [1.0], Provenance("llm", "fake-model", "v1"))
+            assert "labelled the empty message" in hook.labelling.judge_problem(ok)
         finally:
             hook.close(save=False)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from torchrl_oni.train import TrainHook
 from torchrl_oni.train.config import PPOConfig, TrainConfig
 from torchrl_oni.train.learner import PPOLearner, feedforward_values, recurrent_values, rollout_batch
 from torchrl_oni.train.ppo import Trainer
@@ -284,12 +285,14 @@ def test_trainer_gathers_batches_per_update(tmp_path):
                       minibatch_size=128, logdir=str(tmp_path), progress=False, tensorboard=False)
     hooked = []
 
-    class Shapes:  # a hook: it sees each update's gathered batch once
+    class Shapes(TrainHook):  # a hook: it sees each update's gathered batch once
+        stages = ("batch",)
+
         def on_batch(self, batch, trainer):
             hooked.append(tuple(batch.shape))
             return batch
 
-    trainer = Trainer(cfg, hooks=[Shapes()])
+    trainer = Trainer.from_config(cfg, hooks=[Shapes()])
     seen = []
     original = trainer._ppo_update
     trainer._ppo_update = lambda batch: (seen.append(tuple(batch.shape)), original(batch))[1]
@@ -322,7 +325,7 @@ def test_trainer_acts_through_the_policy_server(tmp_path):
 
     cfg = TrainConfig(frames=6 * 256, workers=2, envs_per_worker=8, rollout=32, acting="server",
                       minibatch_size=256, logdir=str(tmp_path), progress=False, tensorboard=False)
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     summary = trainer.train()
     assert summary["frames"] == 6 * 256
     row = read_metrics(str(tmp_path))[-1]

@@ -1,5 +1,5 @@
 """Tests of LLMClient on its own (no annotator around it), over real HTTP against the
-fault-injecting fake server (tests/fake_llm_server.py): prompts of any kind in, texts or
+fault-injecting fake server (torchrl_oni.testing.FakeLLMServer): prompts of any kind in, texts or
 failures out, in order."""
 import asyncio
 

@@ -94,7 +94,6 @@ def test_depth_must_be_positive():
 # ------------------------------------------------------------------------------------ the collector
 def _collector(prefetch, workers=1, envs=2, rollout=8, batches=6):
     from torchrl_oni.envs import NLEBatchEnv
-    from torchrl_oni.train.distributed import make_collector
     from torchrl_oni.train.env_factory import make_env_factory
     from torchrl_oni.train.policy import make_actor_critic
 
@@ -178,7 +177,7 @@ def test_the_default_takes_one_update_worth_on_a_gpu_learner_with_several_batche
 def test_a_run_with_prefetch_trains_every_frame_once(tmp_path):
     cfg = TrainConfig(frames=6 * 128, workers=2, envs_per_worker=4, rollout=32, frames_per_update=256,
                       prefetch_batches=2, minibatch_size=128, logdir=str(tmp_path), progress=False, tensorboard=False)
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     assert trainer.cfg.distributed.prefetch_batches == 2
     seen = []
     original = trainer._ppo_update
@@ -194,7 +193,7 @@ def test_a_run_with_prefetch_trains_every_frame_once(tmp_path):
 def test_workers_acting_through_the_server_run_with_prefetch(tmp_path):
     cfg = TrainConfig(frames=4 * 256, workers=2, envs_per_worker=8, rollout=32, acting="server", frames_per_update=512,
                       prefetch_batches=2, minibatch_size=256, logdir=str(tmp_path), progress=False, tensorboard=False)
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     summary = trainer.train()
     assert summary["frames"] == 4 * 256 and summary["iteration"] == 2
     assert not any(t.name == "collector-prefetch" for t in threading.enumerate())

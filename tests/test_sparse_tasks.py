@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sparse_tasks.py"
 T975 = {1: 12.706, 2: 4.303}  # Student's t, 97.5 % quantile, from printed tables
-EVAL_KEYS = {"success", "return", "max_dlvl", "xlvl", "score", "approved_per_episode"}
+EVAL_KEYS = {"success", "return", "max_dlvl", "xlvl", "progression", "score", "approved_per_episode"}
 TINY = ["--tasks", "staircase", "--annotators", "scripted", "--frames", "2048",
         "--extra", "--workers 1 --envs-per-worker 4 --max-episode-steps 40 --no-tensorboard",
         "--episodes", "4", "--eval-extra", "--workers 1"]
@@ -71,6 +71,7 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
         assert set(row["eval"]) == EVAL_KEYS and row["seeds"] == [0]
         assert row["eval"]["success"]["mean"] == evals[setting]["success_rate"]["mean"]
         assert row["eval"]["score"]["mean"] == evals[setting]["score"]["mean"]
+        assert row["eval"]["progression"]["mean"] == evals[setting]["progression"]["mean"]
         assert set(row["curve"]["episode/success"]) == {"0.25", "0.5", "1"}
     assert rows["none"]["curve"]["episode/success"]["1"]["n"] == 1
     assert rows["random"]["curve"]["episode/success"]["1"]["n"] == 0  # never trained: no curve
@@ -313,7 +314,7 @@ def _per_run(task, setting, seed, status, success, ret, curve):
     return {"task": task, "setting": setting, "reward": setting.split("-")[0], "annotator": None, "seed": seed,
             "status": status, "frames": 4096, "train_time_s": 10.0 + seed, "eval_time_s": 1.0,
             "eval": {"success": success, "return": ret, "max_dlvl": 1.0 + seed, "xlvl": 1.0, "score": 5.0,
-                     "approved_per_episode": None},
+                     "progression": 0.01 * seed, "approved_per_episode": None},
             "curve": {"episode/success": {"0.5": curve, "1": curve + 0.1}}}
 
 
@@ -354,6 +355,9 @@ def test_aggregate_is_mean_and_student_t_ci_over_the_seeds_that_are_done(grid):
     line = next(line for line in text.splitlines() if line.startswith("staircase / retrieval-llm") and "/4" in line)
     half = T975[2] * 0.25 / math.sqrt(3)  # success: mean 0.5, standard deviation 0.25 over 3 seeds
     assert f"0.500 ±{half:.3f}" in line, line
+    # progression: shares 0, 0.01, 0.02 in the JSON, printed in %: mean 1, standard deviation 1
+    assert row["eval"]["progression"]["mean"] == pytest.approx(0.01)
+    assert "progress %" in text and f"1.00 ±{T975[2] / math.sqrt(3):.2f}" in line, line
 
 
 def _evaluated(setting, seed, episodes, games=None):
@@ -447,15 +451,28 @@ def test_an_evaluation_of_fewer_frames_is_kept_before_the_next_one(grid, tmp_pat
     assert earlier["frames"] == 2048 and earlier["eval"]["success"] == 0.25
 
 
+def test_progression_is_read_or_recomputed_from_the_episodes_of_an_older_eval_json(grid):
+    episodes = [{"episode": 0, "max_dlvl": 5, "xlvl": 1}, {"episode": 1, "max_dlvl": 1, "xlvl": 10}]
+    older = {"success_rate": {"mean": 0.0, "n": 2}, "per_episode": episodes}  # before oni-eval scored progression
+    # BALROG's table: dungeon level 5 -> 2.648 %, experience level 10 -> 17.910 %
+    expected = (0.026482449457437766 + 0.17909953770432294) / 2
+    assert grid.eval_summary(older)["eval"]["progression"] == pytest.approx(expected)
+    newer = dict(older, progression={"mean": 0.5, "n": 2})
+    assert grid.eval_summary(newer)["eval"]["progression"] == 0.5  # oni-eval's own is taken as it is
+    assert grid.eval_summary({"success_rate": {"mean": 0.0, "n": 2}})["eval"]["progression"] is None
+
+
 def test_by_frames_pairs_each_budget_and_matches_a_reference(grid, tmp_path):
     from scipy import stats as scipy_stats
 
     def ladder(setting, seed, successes, depths):
-        """A run evaluated at 1M and 2M frames (kept), then at 4M (current)."""
+        """A run evaluated at 1M and 2M frames (kept), then at 4M (current); its progression is
+        a tenth of its depth."""
         run = _per_run("staircase", setting, seed, "done", successes[-1], 0.0, 0.0)
         run["eval"]["max_dlvl"] = depths[-1]
+        run["eval"]["progression"] = depths[-1] / 10
         run["frames"] = 4_000_128
-        run["earlier_evals"] = [{"frames": f, "eval": {"success": x, "max_dlvl": d}}
+        run["earlier_evals"] = [{"frames": f, "eval": {"success": x, "max_dlvl": d, "progression": d / 10}}
                                 for f, x, d in zip((1_000_064, 2_000_128), successes[:2], depths[:2])]
         return run
 
@@ -480,14 +497,19 @@ def test_by_frames_pairs_each_budget_and_matches_a_reference(grid, tmp_path):
             assert row["vs_baseline"][key]["mean"] == pytest.approx(sum(a) / 3 - sum(b) / 3)
             assert row["vs_baseline"][key]["ci95"] == pytest.approx([ci.low, ci.high], abs=1e-3)
     assert rows[0]["vs_baseline"]["success"]["n"] == 2  # 1M: ONI's seeds 1 and 2 against theirs
-    assert rows[1]["vs_baseline"] == {"success": None, "max_dlvl": None}  # the baseline's own row
+    assert rows[1]["vs_baseline"] == {"success": None, "max_dlvl": None, "progression": None}  # the baseline's own row
+    assert rows[2]["eval"]["progression"]["mean"] == pytest.approx(rows[2]["eval"]["max_dlvl"]["mean"] / 10)
     text = "\n".join(grid.format_by_frames(rows))
     assert "By frames trained" in text and "vs none" in text
     line = next(l for l in text.splitlines() if l.startswith("staircase / retrieval-llm") and " 2M " in l)
     half = T975[2] * math.sqrt(1 / 48) / math.sqrt(3)  # success and its difference: both sd 0.144 over 3 seeds
     depth = rows[2]["vs_baseline"]["max_dlvl"]
     assert line.split()[3:9] == ["2M", "3", "0.417", f"±{half:.3f}", "+0.333", f"±{half:.3f}"], line
-    assert line.split()[-1] == f"±{(depth['ci95'][1] - depth['ci95'][0]) / 2:.2f}*"  # depth: CI excludes 0
+    assert line.split()[12] == f"±{(depth['ci95'][1] - depth['ci95'][0]) / 2:.2f}*"  # depth: CI excludes 0
+    # progression, a tenth of the depth: printed in %, ten times the depth's numbers
+    mean, diff = rows[2]["eval"]["max_dlvl"]["mean"], depth["mean"]
+    assert line.split()[13:17] == [f"{10 * mean:.2f}", f"±{10 * (rows[2]['eval']['max_dlvl']['ci95'][1] - mean):.2f}",
+                                   f"{10 * diff:+.2f}", f"±{10 * (depth['ci95'][1] - depth['ci95'][0]) / 2:.2f}*"], line
     [figure] = grid.plot_by_frames(rows, tmp_path)
     assert figure == str(tmp_path / "staircase" / "by_frames.png")
     assert Path(figure).read_bytes()[:4] == b"\x89PNG"

@@ -18,7 +18,7 @@ from torchrl_oni.train import TrainConfig, Trainer
 def run():
     cfg = TrainConfig(frames=256, workers=1, envs_per_worker=2, rollout=16, logdir=tempfile.mkdtemp(),
                       progress=False, tensorboard=False)
-    print("frames", Trainer(cfg).train()["frames"])
+    print("frames", Trainer.from_config(cfg).train()["frames"])
 """
 
 
@@ -39,6 +39,15 @@ def test_an_unguarded_script_fails_at_once_naming_the_fix(tmp_path):
 
 def test_a_guarded_script_trains(tmp_path):
     done = _run(tmp_path, 'if __name__ == "__main__":\n    run()\n')
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "frames 256" in done.stdout
+
+
+def test_an_unguarded_script_that_forks_its_workers_trains(tmp_path):
+    # "fork" re-imports nothing: the check follows the start method TorchRL will use, the one the
+    # script set (tutorials run as plain scripts do so), and refuses only under spawn
+    # (force: importing torchrl already set TorchRL's default, spawn)
+    done = _run(tmp_path, 'import multiprocessing\nmultiprocessing.set_start_method("fork", force=True)\nrun()\n')
     assert done.returncode == 0, done.stderr[-2000:]
     assert "frames 256" in done.stdout
 

@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from torchrl_oni.annotators.base import TIE, Annotator
+from torchrl_oni.annotators.base import SKIP_ERROR, TIE, Annotator
 from torchrl_oni.annotators.scripted import NOT_PROGRESS_EXAMPLES, ScriptedAnnotator
-from torchrl_oni.annotators.teacher import SKIP_ERROR, SimulatedTeacher
+from torchrl_oni.annotators.teacher import SimulatedTeacher
 
 CAPTIONS = [
     "You kill the newt!", "Welcome to experience level 2.", "12 gold pieces.", "You find a hidden door.",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import run_cli
-from torchrl_oni.train import TrainConfig, Trainer
+from torchrl_oni.train import TrainConfig, Trainer, TrainHook
 from torchrl_oni.train.checkpoint import load_checkpoint, save_checkpoint
 from torchrl_oni.train.run_log import read_metrics
 
@@ -20,7 +20,7 @@ def _cfg(tmp_path, **kw):
 
 def test_short_run_then_resume_continues_where_it_stopped(tmp_path):
     cfg = _cfg(tmp_path)
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     before = {k: v.clone() for k, v in trainer.actor.state_dict().items()}
     summary = trainer.train()
     assert summary["frames"] >= 1024
@@ -33,7 +33,7 @@ def test_short_run_then_resume_continues_where_it_stopped(tmp_path):
     assert state["frames"] == trainer.frames and state["iterations"] == trainer.iterations
 
     cfg2 = _cfg(tmp_path, frames=2048, resume="auto")
-    resumed = Trainer(cfg2)
+    resumed = Trainer.from_config(cfg2)
     assert resumed.frames == trainer.frames
     for k, v in trainer.actor.state_dict().items():
         assert torch.equal(resumed.actor.state_dict()[k], v)
@@ -117,7 +117,7 @@ def test_a_run_with_a_death_penalty_and_a_survival_bonus_trains_and_records_them
 @pytest.mark.parametrize("arch", ["oni", "oni-lstm"])
 def test_recurrent_policies_train(tmp_path, arch):
     cfg = _cfg(tmp_path, arch=arch, frames=512, rollout=16, minibatch_size=64, lr=1e-4)
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     before = {k: v.clone() for k, v in trainer.actor.state_dict().items()}
     summary = trainer.train()
     assert summary["frames"] >= 512
@@ -165,15 +165,17 @@ def test_wandb_offline_logging_needs_no_network(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = _cfg(tmp_path, frames=256, envs_per_worker=2, rollout=32, wandb=True)
-    Trainer(cfg).train()
+    Trainer.from_config(cfg).train()
     runs = [d for d in os.listdir(os.path.join(cfg.log.logdir, "wandb")) if d.startswith("offline-run")]
     assert runs, os.listdir(os.path.join(cfg.log.logdir, "wandb"))
     files = os.listdir(os.path.join(cfg.log.logdir, "wandb", runs[0]))
     assert any(f.endswith(".wandb") for f in files), files
 
 
-class _ParityReward:
+class _ParityReward(TrainHook):
     """A stand-in intrinsic reward: 1 for captions with an odd hash."""
+
+    stages = ("batch",)
 
     def on_batch(self, batch, trainer):
         h = batch.get(("next", "caption_hash"))
@@ -183,7 +185,7 @@ class _ParityReward:
 
 def test_two_value_heads_each_learn_their_own_return(tmp_path):
     cfg = _cfg(tmp_path, frames=1024, value_heads=2, intrinsic_reward="retrieval", intrinsic_coeff=0.5)
-    trainer = Trainer(cfg, hooks=[_ParityReward()])
+    trainer = Trainer.from_config(cfg, hooks=[_ParityReward()], intrinsic=False)  # the stand-in, not retrieval
     head = [m for m in trainer.critic.modules() if isinstance(m, torch.nn.Linear)][-1]
     before = head.weight.detach().clone()
     batches = []
@@ -203,3 +205,63 @@ def test_two_value_heads_each_learn_their_own_return(tmp_path):
     assert not torch.equal(last["value_target_ext"], last["value_target_int"])
     changed = (head.weight.detach() - before).abs().sum(-1)
     assert (changed > 0).all(), "both value heads should be trained"
+
+
+def test_oni_train_resolves_its_configuration_once(tmp_path, monkeypatch):
+    """Every derived value comes from one TrainConfig.resolved() call per run: the CLI's, right
+    after parsing; the intrinsic reward's hook and the trainer read what it derived."""
+    from torchrl_oni.train import cli
+
+    calls = []
+    resolved = TrainConfig.resolved
+
+    def counted(self):
+        calls.append(self)
+        return resolved(self)
+
+    monkeypatch.setattr(TrainConfig, "resolved", counted)
+    argv = ["--frames", "256", "--workers", "1", "--envs-per-worker", "4", "--rollout", "32", "--minibatch-size", "64",
+            "--intrinsic-reward", "retrieval", "--annotator", "scripted", "--logdir", str(tmp_path / "run"),
+            "--no-progress", "--no-tensorboard", "--quiet"]
+    assert cli.main(argv) == 0
+    assert len(calls) == 1
+    assert os.path.exists(tmp_path / "run" / "captions.pt")  # the hook ran, from the one resolved configuration
+
+
+class _Counts(TrainHook):
+    name = "counts"
+    stages = ("batch", "metrics")
+
+    def __init__(self):
+        self.batches = 0
+
+    def on_batch(self, batch, trainer):
+        self.batches += 1
+        return batch
+
+    def metrics(self):
+        return {"counts/batches": float(self.batches)}
+
+    def after_update(self, trainer):  # not a declared stage: never called
+        raise AssertionError("after_update runs only for hooks that declare post_update")
+
+
+def test_hooks_run_at_the_stages_they_declare_and_nowhere_else(tmp_path):
+    hook = _Counts()
+    summary = Trainer.from_config(_cfg(tmp_path, frames=256, envs_per_worker=4, rollout=32),
+                                  hooks=[hook]).train()
+    assert hook.batches == 2 and summary["counts/batches"] == 2.0
+
+
+def test_a_hook_that_declares_no_known_stage_or_is_no_train_hook_is_refused(tmp_path):
+    class Typo(TrainHook):
+        stages = ("batches",)
+
+    class Duck:
+        def on_batch(self, batch, trainer):
+            return batch
+
+    with pytest.raises(ValueError, match="unknown hook stage 'batches'"):
+        Trainer.from_config(_cfg(tmp_path), hooks=[Typo()])
+    with pytest.raises(TypeError, match="is not a TrainHook"):
+        Trainer.from_config(_cfg(tmp_path), hooks=[Duck()])

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from helpers import TINY
+from torchrl_oni.run_folder import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
 from torchrl_oni.store import CaptionStore
+from torchrl_oni.train.build import build_intrinsic_hook
 from torchrl_oni.train.cli import main
 from torchrl_oni.train.config import TrainConfig
-from torchrl_oni.train.intrinsic import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
 from torchrl_oni.train.run_log import read_metrics
 
 torch.set_num_threads(1)
@@ -54,8 +55,8 @@ def test_top_messages_is_rewritten_every_few_seconds_and_at_the_end(tmp_path):
     TOP_MESSAGES_EVERY_S seconds, and by the run's last row (after close) whatever the clock."""
     from torchrl_oni.train import intrinsic
 
-    hook = intrinsic.IntrinsicRewardHook(TrainConfig(intrinsic_reward="retrieval", annotator="scripted",
-                                                     logdir=str(tmp_path), progress=False, tensorboard=False))
+    hook = build_intrinsic_hook(TrainConfig(intrinsic_reward="retrieval", annotator="scripted",
+                                            logdir=str(tmp_path), progress=False, tensorboard=False).resolved())
     written, now = [], [1000.0]
     hook._clock = lambda: now[0]
     hook._window.write_top = lambda path, kind: written.append(now[0])
@@ -256,7 +257,7 @@ def test_bad_intrinsic_settings_exit_2(tmp_path, capsys, flags, words):
 
 
 def test_reward_model_time_budget_spreads_owed_steps():
-    from torchrl_oni.rewards.classification import RewardModelSchedule
+    from torchrl_oni.rewards.training import RewardModelSchedule
 
     uncapped = RewardModelSchedule(32, switch_at=1000, time_fraction=0.0)
     assert uncapped.due(10) == 32 and uncapped.due(10) == 0  # ONI: every step at once, on new labels only
@@ -278,18 +279,19 @@ def test_low_label_coverage_is_said_loudly(tmp_path):
     """A run whose intrinsic reward gets no labels warns once a minute with the cause, and its
     summary says so (the issue: 0 of 2,739 captions labelled and one easily missed line)."""
     from torchrl_oni.train import TrainConfig
-    from torchrl_oni.train.intrinsic import ALERT_EVERY_S, COVERAGE_GRACE_S, IntrinsicRewardHook
+    from torchrl_oni.train.labelling import ALERT_EVERY_S, COVERAGE_GRACE_S
 
-    hook = IntrinsicRewardHook(TrainConfig(intrinsic_reward="retrieval", annotator="scripted", logdir=str(tmp_path)))
+    hook = build_intrinsic_hook(TrainConfig(intrinsic_reward="retrieval", annotator="scripted",
+                                            logdir=str(tmp_path)).resolved())
     try:
         starving = {"labels/seen_coverage": 0.0, "labels/labelled": 0, "labels/captions": 120}
         assert hook.alert(starving) is None  # the LLM gets a minute before anyone is warned
-        hook._started -= COVERAGE_GRACE_S + 1
-        hook._last_alert -= ALERT_EVERY_S + 1
+        hook.labelling.started -= COVERAGE_GRACE_S + 1
+        hook.labelling.last_alert -= ALERT_EVERY_S + 1
         line = hook.alert(starving)
         assert line and "0.0% of steps" in line and "annotation:" in line
         assert hook.alert(starving) is None  # at most once a minute
-        hook._last_alert -= ALERT_EVERY_S + 1
+        hook.labelling.last_alert -= ALERT_EVERY_S + 1
         assert hook.alert({"labels/seen_coverage": 0.8}) is None  # labels arrive: nothing to say
         (final,) = hook.final_warnings(starving)
         assert "ONI barely ran: 0 of 120 captions" in final
@@ -298,7 +300,7 @@ def test_low_label_coverage_is_said_loudly(tmp_path):
         hook.close(save=False)
     budgeted = TrainConfig(intrinsic_reward="retrieval", annotator="scripted", label_budget=600,
                            logdir=str(tmp_path / "budget"))
-    hook = IntrinsicRewardHook(budgeted)
+    hook = build_intrinsic_hook(budgeted.resolved())
     try:  # few labels under a budget is what was asked for: said plainly, not as a failure
         (final,) = hook.final_warnings({"labels/seen_coverage": 0.2, "labels/labelled": 30, "labels/captions": 150})
         assert final.startswith("label budget: 30 of 150 captions") and "barely" not in final
@@ -310,10 +312,10 @@ def test_an_untrained_reward_model_is_said_loudly(tmp_path):
     """A classification run whose model took a handful of steps (a short CPU run under the time
     cap) pays noise: the summary must say so, and stay quiet once the model has learned."""
     from torchrl_oni.train import TrainConfig
-    from torchrl_oni.train.intrinsic import MIN_REWARD_MODEL_STEPS, IntrinsicRewardHook
+    from torchrl_oni.train.intrinsic import MIN_REWARD_MODEL_STEPS
 
-    hook = IntrinsicRewardHook(TrainConfig(intrinsic_reward="classification", annotator="scripted",
-                                           logdir=str(tmp_path)))
+    hook = build_intrinsic_hook(TrainConfig(intrinsic_reward="classification", annotator="scripted",
+                                            logdir=str(tmp_path)).resolved())
     try:
         covered = {"labels/seen_coverage": 1.0, "labels/labelled": 500, "labels/captions": 500}
         (line,) = hook.final_warnings({**covered, "reward_model/steps": 11,
@@ -343,7 +345,6 @@ def test_goal_conditioned_ellm_policy_sees_goals_at_acting_time(tmp_path):
     """--ellm-goal-conditioned: env workers write goal_embedding (from the goals the trainer's table
     learned), the policy reads it, and the collected batches carry non-zero embeddings."""
     from torchrl_oni.train import TrainConfig, Trainer
-    from torchrl_oni.train.intrinsic import build_intrinsic_hooks
 
     cfg = TrainConfig(intrinsic_reward="ellm", annotator="scripted", ellm_goal_conditioned=True, ellm_encoder="hashed",
                       frames=4096, workers=1, envs_per_worker=8, rollout=32, minibatch_size=256,
@@ -354,8 +355,7 @@ def test_goal_conditioned_ellm_policy_sees_goals_at_acting_time(tmp_path):
         seen.append(float(batch.get("goal_embedding").abs().sum(-1).gt(0).float().mean()))
         return batch
 
-    hooks = build_intrinsic_hooks(cfg)
-    trainer = Trainer(cfg, hooks=hooks, batch_transforms=[record])
+    trainer = Trainer.from_config(cfg, batch_transforms=[record])
     assert "goal_embedding" in trainer.actor.in_keys
     trainer.train()
     assert len(seen) == 16 and seen[0] == 0.0, seen  # no goals known before the first batch
@@ -376,17 +376,15 @@ def test_goal_conditioned_ellm_policy_sees_goals_at_acting_time(tmp_path):
 def test_checkpoint_state_keys_stay_and_load_back(tmp_path, flags, keys):
     """The hook's state_dict keys are part of the checkpoint format: old checkpoints must load
     (``hacking``, the reward-hacking diagnostics' counts, came later: a checkpoint without it loads)."""
-    from torchrl_oni.train.intrinsic import IntrinsicRewardHook
-
-    cfg = TrainConfig(logdir=str(tmp_path), **flags)
+    cfg = TrainConfig(logdir=str(tmp_path), **flags).resolved()
     cfg.validate()
-    hook = IntrinsicRewardHook(cfg)
+    hook = build_intrinsic_hook(cfg)
     try:
         state = hook.state_dict()
         assert list(state) == keys
     finally:
         hook.close(save=False)
-    again = IntrinsicRewardHook(cfg)
+    again = build_intrinsic_hook(cfg)
     try:
         again.load_state_dict({k: v for k, v in state.items() if k != "hacking"})  # an older checkpoint
         again.load_state_dict(state)
@@ -401,20 +399,18 @@ def test_background_reward_model_training_never_holds_the_update(tmp_path):
     import threading
     import time
 
-    from torchrl_oni.train.intrinsic import IntrinsicRewardHook
-
-    cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="classification", annotator="scripted")
+    cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="classification", annotator="scripted").resolved()
     cfg.validate()
-    inline = IntrinsicRewardHook(cfg)  # --rm-training auto on a CPU learner
+    inline = build_intrinsic_hook(cfg)  # --rm-training auto on a CPU learner
     try:
         assert inline.rm_rounds is None
     finally:
         inline.close(save=False)
 
     cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="classification", annotator="scripted",
-                      rm_training="background")
+                      rm_training="background").resolved()
     cfg.validate()
-    hook = IntrinsicRewardHook(cfg)
+    hook = build_intrinsic_hook(cfg)
     release, events = threading.Event(), []
 
     def slow_round():
@@ -479,11 +475,10 @@ def test_count_scope_run_counts_a_batch_in_time_order_and_feeds_the_decay(tmp_pa
     from tensordict import TensorDict
 
     from torchrl_oni.captions import RUN_COUNT_KEY
-    from torchrl_oni.train.intrinsic import IntrinsicRewardHook
-
-    cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="retrieval", annotator="scripted", count_scope="run")
+    cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="retrieval", annotator="scripted",
+                      count_scope="run").resolved()
     cfg.validate()
-    hook = IntrinsicRewardHook(cfg)
+    hook = build_intrinsic_hook(cfg)
     try:
         assert hook.transform.count_key == RUN_COUNT_KEY
         # 2 games x 3 steps: game 0 sees 5, 6, 5; game 1 sees 6, 6, 5
@@ -496,7 +491,7 @@ def test_count_scope_run_counts_a_batch_in_time_order_and_feeds_the_decay(tmp_pa
     finally:
         hook.close(save=False)
     default = TrainConfig(logdir=str(tmp_path / "d"), intrinsic_reward="retrieval", annotator="scripted")
-    hook = IntrinsicRewardHook(default)
+    hook = build_intrinsic_hook(default.resolved())
     try:
         assert hook.run_counts is None and "run_counts" not in hook.state_dict()  # ONI's per-episode count
     finally:
@@ -505,14 +500,12 @@ def test_count_scope_run_counts_a_batch_in_time_order_and_feeds_the_decay(tmp_pa
 
 def test_count_scope_run_trains_and_counts_every_paying_step(tmp_path):
     from torchrl_oni.train import Trainer
-    from torchrl_oni.train.intrinsic import build_intrinsic_hooks
 
     cfg = TrainConfig(logdir=str(tmp_path), intrinsic_reward="retrieval", annotator="scripted", count_scope="run",
                       frames=1024, workers=1, envs_per_worker=4, rollout=32, minibatch_size=64, progress=False,
                       tensorboard=False)
-    hooks = build_intrinsic_hooks(cfg)
-    trainer = Trainer(cfg, hooks=hooks)
+    trainer = Trainer.from_config(cfg)
     summary = trainer.train()
-    [hook] = [h for h in hooks if hasattr(h, "run_counts")]
+    [hook] = trainer.hooks
     assert sum(hook.run_counts.seen.values()) == summary["frames"]  # one sighting per step that could pay
     assert max(hook.run_counts.seen.values()) > 4  # counts run across the episodes of 256 steps

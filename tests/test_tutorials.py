@@ -5,11 +5,15 @@ them into notebooks. The fast tests check the sources' shape (title, one tagged 
 valid Python, canonical jupytext text) and the builder's command line. The slow test converts
 each source with jupytext and executes it with nbclient in a temporary folder in its small
 setting (``ONI_TUTORIAL_SMALL=1``), and prints each one's wall time (``pytest -s`` shows it live;
-it is also in the captured output of a failure).
+it is also in the captured output of a failure). Another slow test runs each source as a plain
+script (``python tutorials/NN_*.py``), as a reader who does not open Jupyter does.
 """
 import ast
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -140,10 +144,7 @@ def _kernel_or_skip():
         pytest.skip("no 'python3' Jupyter kernel: python -m ipykernel install --user")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", EXPECTED)
-def test_tutorial_runs_top_to_bottom(name, tmp_path, capsys):
-    _kernel_or_skip()
+def _model_or_skip(name):
     if name.startswith("02_"):
         # serves the small test model: needs the embedded extra and its weights package
         pytest.importorskip("transformers")
@@ -151,6 +152,13 @@ def test_tutorial_runs_top_to_bottom(name, tmp_path, capsys):
 
         if not is_installed(TEST_MODEL):
             pytest.skip(f"{TEST_MODEL} is not installed (see README: the model packages)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPECTED)
+def test_tutorial_runs_top_to_bottom(name, tmp_path, capsys):
+    _kernel_or_skip()
+    _model_or_skip(name)
     build = _builder()
     nb = build.to_notebook(_source(name))
     seconds = build.execute(nb, tmp_path, small=True, timeout=600)
@@ -166,3 +174,22 @@ def test_tutorial_runs_top_to_bottom(name, tmp_path, capsys):
         assert (runs / "retrieval" / "metrics.csv").is_file()
         assert "intrinsic_reward: retrieval" in (runs / "retrieval" / "config.yaml").read_text()
         assert (runs / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPECTED)
+def test_tutorial_runs_as_a_plain_script(name, tmp_path, capsys):
+    # `python tutorials/NN_....py`, as a reader runs a .py file: worker processes started with
+    # "spawn" import the script again, so a tutorial that starts any must not re-run itself in them
+    # (01 died with a bare EOFError after printing everything three times)
+    _model_or_skip(name)
+    env = dict(os.environ, ONI_TUTORIAL_SMALL="1", MPLBACKEND="Agg")  # Agg: no window to wait on
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, str(_source(name))], capture_output=True, text=True, timeout=900,
+                         cwd=tmp_path, env=env)
+    with capsys.disabled():
+        print(f"\n[tutorial as a script] {name}: {time.perf_counter() - start:.1f} s")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines and out.stdout.count(lines[0]) == 1, "the script ran more than once (its worker processes re-ran it)"

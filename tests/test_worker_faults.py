@@ -17,17 +17,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchrl_oni.train import TrainConfig, Trainer
+from torchrl_oni.train import TrainConfig, Trainer, TrainHook
 from torchrl_oni.train import ppo
 from torchrl_oni.train.checkpoint import load_checkpoint
+from torchrl_oni.train.env_factory import EnvFactory
 from torchrl_oni.train.ppo import EnvWorkerError, _worker_death
 from torchrl_oni.train.watchdog import FIRST_BATCH_FACTOR, StallWatchdog, process_state
 
 PARENT_ENV = "ONI_TEST_TRAINER_PID"
 
 
-class _KillWorker:
+class _KillWorker(TrainHook):
     """Kills env worker 1 with SIGKILL after the given PPO iterations."""
+
+    stages = ("post_update",)
 
     def __init__(self, at_iterations):
         self.at = set(at_iterations)
@@ -41,7 +44,7 @@ class _KillWorker:
             self.killed += 1
 
 
-class FailsInWorker(ppo.EnvFactory):
+class FailsInWorker(EnvFactory):
     """An env factory that works in the trainer (the probe env) and fails in a worker process."""
 
     def __call__(self):
@@ -70,7 +73,7 @@ def test_torchrl_worker_death_in_words():
 @pytest.mark.parametrize("prefetch", [0, 2], ids=["no-prefetch", "prefetch"])
 def test_killed_worker_is_restarted_and_the_run_finishes(tmp_path, caplog, prefetch):
     killer = _KillWorker(at_iterations=[3])
-    trainer = Trainer(_cfg(tmp_path, worker_restarts=2, prefetch_batches=prefetch), hooks=[killer])
+    trainer = Trainer.from_config(_cfg(tmp_path, worker_restarts=2, prefetch_batches=prefetch), hooks=[killer])
     with caplog.at_level(logging.WARNING, logger="torchrl_oni.train"):
         t0 = time.monotonic()
         summary = trainer.train()
@@ -83,7 +86,7 @@ def test_killed_worker_is_restarted_and_the_run_finishes(tmp_path, caplog, prefe
 
 @pytest.mark.slow
 def test_worker_dying_past_the_restarts_stops_with_checkpoint(tmp_path):
-    trainer = Trainer(_cfg(tmp_path, worker_restarts=0), hooks=[_KillWorker(at_iterations=[2])])
+    trainer = Trainer.from_config(_cfg(tmp_path, worker_restarts=0), hooks=[_KillWorker(at_iterations=[2])])
     with pytest.raises(EnvWorkerError, match=r"killed by SIGKILL.*after 0 restart\(s\).*--worker-restarts 0"):
         trainer.train()
     state = load_checkpoint(trainer.checkpoint_path)
@@ -106,7 +109,7 @@ def test_worker_that_cannot_start_stops_the_run_at_once(tmp_path, monkeypatch):
         return factory
 
     monkeypatch.setattr(ppo, "make_env_factory", failing)
-    trainer = Trainer(_cfg(tmp_path, frames=1024))
+    trainer = Trainer.from_config(_cfg(tmp_path, frames=1024))
     t0 = time.monotonic()
     with pytest.raises(EnvWorkerError, match="env worker failed to start: OSError: NetHack could not start"):
         trainer.train()
@@ -300,10 +303,12 @@ def test_process_state_of_a_stopped_process():
 STALL_S = 5.0  # --worker-stall-timeout of these runs
 
 
-class _StopWorker:
+class _StopWorker(TrainHook):
     """SIGSTOPs env worker ``worker`` after a PPO iteration (kill -STOP). With ``busy_learner`` the
     learner then stays busy, as a slow one would, until the watchdog has killed the worker: a
     stalled worker is found without the trainer waiting for it."""
+
+    stages = ("post_update",)
 
     def __init__(self, at_iteration, worker=1, busy_learner=True):
         self.at, self.worker, self.busy_learner = at_iteration, worker, busy_learner
@@ -349,7 +354,7 @@ def _assert_stall_restart(caplog, stopper, restarts):
 def test_stopped_worker_is_killed_restarted_and_the_run_finishes(tmp_path, caplog, prefetch):
     stopper = _StopWorker(at_iteration=3)
     cfg = _cfg(tmp_path, worker_restarts=2, worker_stall_timeout=STALL_S, prefetch_batches=prefetch)
-    trainer = Trainer(cfg, hooks=[stopper])
+    trainer = Trainer.from_config(cfg, hooks=[stopper])
     with caplog.at_level(logging.WARNING, logger="torchrl_oni.train"):
         t0 = time.monotonic()
         summary = trainer.train()
@@ -373,7 +378,7 @@ def test_weight_update_waiting_for_a_stopped_worker_is_released(tmp_path, caplog
     monkeypatch.setattr(torchrl.weight_update, "SharedMemWeightSyncScheme", lambda **kw: scheme(sync=True))
     stopper = _StopWorker(at_iteration=3, busy_learner=False)  # the next weight update waits for its ack
     cfg = _cfg(tmp_path, worker_restarts=1, worker_stall_timeout=STALL_S)
-    trainer = Trainer(cfg, hooks=[stopper])
+    trainer = Trainer.from_config(cfg, hooks=[stopper])
     with caplog.at_level(logging.WARNING, logger="torchrl_oni.train"):
         t0 = time.monotonic()
         summary = trainer.train()

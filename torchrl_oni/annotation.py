@@ -19,7 +19,8 @@ repeatedly cannot be parsed are given up (``CaptionStore.given_up()`` lists them
 :meth:`LLMAnnotationTransform.health` sums up in one line why no labels arrive.
 
 Where to put the transform: :class:`~torchrl.collectors.MultiAsyncCollector` deep-copies its
-``postproc``, and env worker processes get pickled copies, where a background thread and a
+``postproc`` (``MultiSyncCollector`` calls it as given, so it takes this transform as its
+postproc), and env worker processes get pickled copies, where a background thread and a
 shared store make no sense. Apply the transform in the trainer to each collected batch
 (``batch = annotate(batch)``), or inside a single-process ``TransformedEnv``. Copying or pickling
 the transform raises :class:`~torchrl_oni.background.NotCopyableError` (a ``RuntimeError``) that
@@ -88,9 +89,50 @@ Claim = Callable[[int], Tuple[torch.Tensor, List[str]]]
 
 _COPY_ERROR = (
     "{cls} cannot be copied or pickled: it owns a background thread and shares a CaptionStore. "
-    "Apply it in the trainer to each collected batch (not as a collector postproc or inside a "
-    "ParallelEnv worker or a collector's env factory)."
+    "Apply it in the trainer to each collected batch (`batch = annotate(batch)`)."
 )
+# What each refusal adds: the user rarely copied this transform by name (TorchRL copies a transform
+# together with the Compose and env holding it, and MultiAsyncCollector deep-copies its postproc
+# where MultiSyncCollector does not), so the error says how the copy got here and what to do.
+_DEEPCOPY_WHY = (
+    " {reached}TorchRL deep-copies a transform together with the Compose and env that hold it. "
+    "As a collector's postproc it works with MultiSyncCollector, which calls its postproc as given "
+    "in this process, and not with MultiAsyncCollector, which deep-copies its postproc first (one "
+    "copy per storing device). To deep-copy another transform of the same Compose (e.g. "
+    "`stack.intrinsic` as a MultiAsyncCollector postproc), `.clone()` it first: a clone leaves its "
+    "container behind."
+)
+_PICKLE_WHY = (
+    " Pickling sends it to another process (a ParallelEnv worker, a collector's env factory, "
+    "torch.save), where neither would work: put it on the outer TransformedEnv around a ParallelEnv, "
+    "or call it on collected batches, and give the workers' envs only CopyAliasedObservations, "
+    "CaptionHash and MessageCounter (`from torchrl_oni import CopyAliasedObservations, CaptionHash, "
+    "MessageCounter`). Its labels travel in `state_dict()`. A transform pickles with the Compose and "
+    "env that hold it: `.clone()` another transform of the same Compose to pickle it alone."
+)
+
+
+def _deepcopy_root(memo) -> Optional[str]:
+    """The class name of what ``copy.deepcopy`` was called on, when the copy reached this object
+    from a container (a Compose, an env): CPython's deepcopy enters each object's new copy in
+    ``memo`` as it starts copying it, so the first entry (but the keep-alive list kept under
+    ``id(memo)``) is the root's copy. Only modules (transforms, envs) are named: another root may
+    copy itself by its own rules, and a wrong name would mislead."""
+    for key, value in (memo or {}).items():
+        if key == id(memo):
+            continue
+        return type(value).__name__ if isinstance(value, torch.nn.Module) else None
+    return None
+
+
+def _copy_refusal(obj, memo=None, *, pickling: bool = False) -> NotCopyableError:
+    """The error ``obj``'s ``__deepcopy__`` (``pickling=False``) or ``__getstate__`` raises."""
+    text = _COPY_ERROR.format(cls=type(obj).__name__)
+    if pickling:
+        return NotCopyableError(text + _PICKLE_WHY)
+    root = _deepcopy_root(memo)
+    reached = f"copy.deepcopy was called on {root}, not on it, and reached it. " if root else ""
+    return NotCopyableError(text + _DEEPCOPY_WHY.format(reached=reached))
 
 
 # Request-level counters of the annotator (OpenAIAnnotator.metrics); 0 for annotators that
@@ -432,10 +474,10 @@ class AnnotationWorker(BackgroundLoop):
         self._record_failures({kind: len(idx) for kind, idx in failed.items()})
 
     def __deepcopy__(self, memo):
-        raise NotCopyableError(_COPY_ERROR.format(cls=type(self).__name__))
+        raise _copy_refusal(self, memo)
 
     def __getstate__(self):
-        raise NotCopyableError(_COPY_ERROR.format(cls=type(self).__name__))
+        raise _copy_refusal(self, pickling=True)
 
 
 class LLMAnnotationTransform(KeyedTransform, Transform):
@@ -587,10 +629,10 @@ class LLMAnnotationTransform(KeyedTransform, Transform):
         return new
 
     def __deepcopy__(self, memo):
-        raise NotCopyableError(_COPY_ERROR.format(cls=type(self).__name__))
+        raise _copy_refusal(self, memo)
 
     def __getstate__(self):
-        raise NotCopyableError(_COPY_ERROR.format(cls=type(self).__name__))
+        raise _copy_refusal(self, pickling=True)
 
     # ------------------------------------------------------------------ checkpoints
     def get_extra_state(self) -> dict:
@@ -706,6 +748,10 @@ class LLMAnnotationTransform(KeyedTransform, Transform):
         out["steps_seen"] = self._steps_seen
         out["new_captions"] = self._new_captions
         return out
+
+    def servers(self) -> list:
+        """``(url, up, last_error)`` of each LLM server the annotator sends to (empty without one)."""
+        return self.worker.servers()
 
     def health(self, window_s: float = 60.0) -> str:
         """One short line on annotation: ``"ok: ..."`` or why no label arrived in the last

@@ -245,6 +245,11 @@ class BackgroundLoop:
     def __getstate__(self):
         raise NotCopyableError(f"{type(self).__name__} owns a thread: it cannot be copied or pickled")
 
+    def servers(self) -> list:
+        """``(url, up, last_error)`` of each LLM server the client sends to; empty for clients
+        without servers (rules, a simulated teacher)."""
+        return list(self._client_call("servers", []))
+
     # ------------------------------------------------------------------ accounting
     def _client_call(self, name: str, default, *args):
         """``client.<name>(*args)``, or ``default`` when the client lacks it or it raises."""

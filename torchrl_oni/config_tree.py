@@ -91,7 +91,8 @@ def setting(default: Any = MISSING, help: str = "", *, choices: Union[Sequence, 
         aliases: further flags accepted for this leaf (kept so old commands still run).
         metavar: the placeholder shown in ``--help``.
         nargs, const: as in argparse (``nargs="?"`` with ``const`` gives an optional value).
-        secret: never written to files (:func:`to_dict` leaves it out): API keys.
+        secret: never written to files (:func:`to_dict` leaves it out): API keys, and orders for
+            one start that a file must not repeat (``oni-train --overwrite``).
         at_least, above, at_most: the range of a number (``at_least``/``at_most`` inclusive,
             ``above`` exclusive; None: open on that side), checked by :func:`check_values` and
             shown in ``--help``. The single place a setting's bounds are declared.

@@ -28,7 +28,12 @@ key                       meaning
 ``return`` ... ``scout``  ``{mean, std, ci95, min, max, n}`` for ``return`` (extrinsic),
                           ``length``, ``max_dlvl`` (deepest dungeon level), ``xlvl``
                           (experience level), ``gold``, ``score`` (NetHack's in-game score),
-                          ``kills``, ``scout`` (squares seen); ci95 from Student's t
+                          ``kills``, ``scout`` (squares seen), ``progression``; ci95 from
+                          Student's t
+``progression``           BALROG's progression (:mod:`torchrl_oni.progression`): per episode,
+                          the share of human games that reached its deepest dungeon level or
+                          its highest experience level (the larger) and went on to ascend, in
+                          [0, 1]; the table prints it in %
 ``end_status``            episodes per ending: ``death``, ``timeout``, ``success``
 ``death_causes``          deaths per NetHack ending (NLE's names: ``died``, ``choking``,
                           ``starving``...)
@@ -65,7 +70,7 @@ Example:
     >>> run = tempfile.mkdtemp()
     >>> cfg = TrainConfig(frames=128, workers=1, envs_per_worker=2, rollout=32, logdir=run,
     ...                   max_episode_steps=20, progress=False, tensorboard=False)
-    >>> _ = Trainer(cfg).save()  # an untrained policy is enough to evaluate
+    >>> _ = Trainer.from_config(cfg).save()  # an untrained policy is enough to evaluate
     >>> result = evaluate(run, episodes=3, workers=1, progress=False)
     >>> result["episodes"], result["length"]["max"] <= 20, sorted(result["end_status"])
     (3, True, ['death', 'success', 'timeout'])
@@ -92,12 +97,13 @@ from .atomic import atomic_write
 from .captions import decode_message, hash_bytes
 from .cli_errors import OneLineArgumentParser, overwritten_input, report
 from .run_folder import CAPTION_STORE_NAME, CONFIG_NAME, EVAL_NAME, METRICS_NAME, REPLAY_DIR
+from .progression import progression
 from .spawn_check import check_main_guard
 from .reward_hacking import (DEATH_WINDOW, REPORT_NAME as REWARD_HACKING_NAME, HackingTally, death_causes_check,
                              format_death_causes, format_report, read_baseline)
-from .stats import mean_ci, t_quantile_975, wilson_interval  # noqa: F401  (t_quantile_975: importable here for one release)
+from .stats import mean_ci, wilson_interval
 
-__all__ = ["evaluate", "EvalError", "wilson_interval", "mean_ci", "format_table", "main", "EVAL_NAME"]
+__all__ = ["evaluate", "EvalError", "format_table", "main", "EVAL_NAME"]
 
 PROG = "oni-eval"
 MAX_GAMES_PER_SHARD = 32
@@ -107,7 +113,7 @@ MAX_GAMES_PER_WORKER = 4096  # --envs-per-worker: NetHack games in one process
 TOP_MESSAGES = 20
 APPROVED = 0.5  # a label above this is "approved" (as benchmarks/learning_check.py counts it)
 TTY_KEYS = ("tty_chars", "tty_colors", "tty_cursor")
-STAT_KEYS = ("return", "length", "max_dlvl", "xlvl", "gold", "score", "kills", "scout")
+STAT_KEYS = ("return", "length", "max_dlvl", "xlvl", "gold", "score", "kills", "scout", "progression")
 END_NAMES = {-1: "timeout", 0: "running", 1: "death", 2: "success"}
 _EMPTY_HASH = hash_bytes(b"")
 
@@ -173,7 +179,8 @@ def _load_state(file: Path) -> dict:
 
 
 def _num_actions(task: str) -> int:
-    from .envs.tasks import EXTENDED_ACTIONS, MOTIF_ACTIONS, TASKS
+    from .envs.tasks import EXTENDED_ACTIONS, MOTIF_ACTIONS
+    from .task_ids import TASKS
 
     return len(EXTENDED_ACTIONS if TASKS[task]["extended_actions"] else MOTIF_ACTIONS)
 
@@ -281,6 +288,9 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
     active = np.ones(K, dtype=bool)
     last_score = np.zeros(K, dtype=np.int64)
     max_depth = np.zeros(K, dtype=np.int64)
+    # progression counts the highest experience level shown, as BALROG does; the episode's xlvl is
+    # its last, lower after a level drain
+    max_xp = np.zeros(K, dtype=np.int64)
     captions = [set() for _ in range(K)]
     tails: List[list] = [[] for _ in range(K)]  # the last few non-empty messages of each episode
     # (observation index, caption hash, msg_count) of each non-empty message, for the diagnostics
@@ -301,6 +311,7 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
             if blstats[i].any():  # NetHack zeroes blstats once the game is over
                 last_score[i] = blstats[i, nethack.NLE_BL_SCORE]
                 max_depth[i] = max(max_depth[i], blstats[i, nethack.NLE_BL_DEPTH])
+                max_xp[i] = max(max_xp[i], blstats[i, nethack.NLE_BL_XP])
             h = int(hashes[i])
             if h != _EMPTY_HASH:
                 sequences[i].append((seen_obs[i], h, int(counts[i])))
@@ -335,7 +346,7 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
                 for i in np.flatnonzero(done & active):
                     episodes.append(_episode_row(shard.first_episode + int(i), nxt.get("episode")[int(i)],
                                                  games[i], last_score[i], max_depth[i], captions[i],
-                                                 [texts[h] for h in tails[i]], sequences[i]))
+                                                 [texts[h] for h in tails[i]], sequences[i], max_xp[i]))
                     active[i] = False
                     on_episode()
                 td = env.maybe_reset(env.step_mdp(td))
@@ -350,7 +361,7 @@ def _play_shard(shard: Shard, settings: dict, actor, primer_spec, greedy: bool,
     }
 
 
-def _episode_row(index, episode, game, score, max_depth, captions, tail, sequence=()) -> dict:
+def _episode_row(index, episode, game, score, max_depth, captions, tail, sequence=(), max_xp=0) -> dict:
     stats = {k: episode.get(k).item() for k in ("return", "length", "dlvl", "xlvl", "gold", "scout", "kills",
                                                  "end_status", "success")}
     end = END_NAMES.get(int(stats.pop("end_status")), "unknown")
@@ -358,16 +369,18 @@ def _episode_row(index, episode, game, score, max_depth, captions, tail, sequenc
     if end == "death":
         how = game.nethack.how_done()  # read before the slot is reset
         cause = getattr(how, "name", str(how)).lower()
+    max_dlvl = int(max(max_depth, stats["dlvl"]))
     return {
         "episode": index,
         "return": float(stats["return"]),
         "length": int(stats["length"]),
-        "max_dlvl": int(max(max_depth, stats["dlvl"])),
+        "max_dlvl": max_dlvl,
         "xlvl": int(stats["xlvl"]),
         "gold": int(stats["gold"]),
         "score": int(score),
         "kills": int(stats["kills"]),
         "scout": int(stats["scout"]),
+        "progression": progression(max_dlvl, max(int(max_xp), int(stats["xlvl"]))),
         "success": bool(stats["success"]),
         "end": end,
         "death_cause": cause,
@@ -532,7 +545,7 @@ def evaluate(
         EvalError: bad input, in one sentence.
     """
     from .envs.batched import NLEBatchEnv
-    from .envs.tasks import resolve_task
+    from .task_ids import resolve_task
 
     if not 1 <= episodes <= MAX_EPISODES:
         raise EvalError(f"--episodes must be in [1, {MAX_EPISODES:,}], got {episodes}")
@@ -780,9 +793,12 @@ def format_table(result: dict) -> str:
     sr = result["success_rate"]
     lines.append(f"{'success rate':<16}{sr['mean']:>11.3f}  {'[' + _fmt(sr['ci95'][0], 3) + ', ' + _fmt(sr['ci95'][1], 3) + ']':<23}"
                  f"{sr['successes']:>10}/{sr['n']}")
-    names = {"max_dlvl": "max dlvl", "xlvl": "xp level", "scout": "squares seen"}
+    names = {"max_dlvl": "max dlvl", "xlvl": "xp level", "scout": "squares seen", "progression": "progression %"}
     for key in STAT_KEYS:
         s = result[key]
+        if key == "progression":  # a share in the JSON, in % as BALROG's leaderboard prints it
+            s = {k: (None if s[k] is None else [100 * x for x in s[k]] if k == "ci95" else 100 * s[k])
+                 for k in ("mean", "ci95", "min", "max")}
         ci = "-" if s["ci95"] is None else f"[{_fmt(s['ci95'][0])}, {_fmt(s['ci95'][1])}]"
         lines.append(f"{names.get(key, key):<16}{_fmt(s['mean']):>11}  {ci:<23}{_fmt(s['min'], 1):>10}{_fmt(s['max'], 1):>10}")
     lines.append("")
@@ -821,7 +837,7 @@ def format_table(result: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog=PROG, description="Play episodes with a trained policy and report success, return, "
-                "levels, score and messages with 95 % confidence intervals.")
+                "levels, score, BALROG's progression and messages with 95 % confidence intervals.")
     p.add_argument("path", help="an oni-train run folder or checkpoint file")
     p.add_argument("--episodes", type=int, default=32, help="episodes to play (default: %(default)s)")
     p.add_argument("--task", default=None, help="task to play (default: the run's; same actions required)")
@@ -843,7 +859,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default=None, metavar="OTHER",
                    help="an eval.json (or a run folder holding one) of the same task, e.g. the extrinsic-only arm: "
                         "flags a death cause far more common here than there")
-    p.add_argument("-o", "--output", default=None, help="where eval.json goes (default: RUN/eval.json)")
+    p.add_argument("-o", "--output", default=None, help="where eval.json goes (default: RUN/eval.json, written again "
+                   "at every evaluation of the run; a file named here is never replaced without --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file -o names if it exists")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -857,6 +875,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as stop:  # argparse already printed its one line (or --help)
         return int(stop.code or 0)
+    if args.output is not None and not args.overwrite and os.path.isfile(args.output):
+        # checked before minutes of play; the default RUN/eval.json is the run's latest evaluation and is
+        # re-written by design, but a file the user named may be anything they keep
+        return report(PROG, f"-o {args.output} already exists: --overwrite replaces it, or choose another file")
     try:
         result = evaluate(
             args.path, args.episodes, task=args.task, seed=args.seed, greedy=args.greedy, workers=args.workers,

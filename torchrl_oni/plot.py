@@ -31,7 +31,7 @@ the shortest run stops). A group of one run is its curve, without a band.
 Usage::
 
     oni-plot runs/retrieval runs/none -o curves.png --smooth 5
-    oni-plot runs/oni --x time_s
+    oni-plot runs/oni-20250612-101500 --x time_s
     oni-plot runs/staircase/*/seed* --group -o staircase.png     # one band per reward type
     oni-plot runs/*/seed* --group-by '(\\w+)/seed\\d+$'
 

@@ -29,8 +29,8 @@ key                     shape / dtype      meaning
 
 Usage::
 
-    oni-eval runs/oni --record 3                     # also writes runs/oni/replays/episode_00*.npz
-    oni-replay runs/oni/replays/episode_000.npz      # → runs/oni/replays/episode_000.html
+    oni-eval RUN --record 3                          # also writes RUN/replays/episode_00*.npz
+    oni-replay RUN/replays/episode_000.npz           # → RUN/replays/episode_000.html
     oni-replay episode_000.npz -o ep0.html --gif ep0.gif --fps 20
 
 The player shows the 24×80 screen in NetHack's colours, the message line, the annotator's label
@@ -497,10 +497,12 @@ def write_gif(
 # ---------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog=PROG, description="Turn an episode recorded by `oni-eval --record` into an HTML player and/or a GIF.")
-    p.add_argument("episode", help="an episode file, e.g. runs/oni/replays/episode_000.npz")
+    p.add_argument("episode", help="an episode file, e.g. RUN/replays/episode_000.npz")
     p.add_argument("-o", "--output", default=None,
-                   help="HTML player to write (default: beside the episode, .html; none when only --gif is given)")
+                   help="HTML player to write (default: beside the episode, .html, written again each time; none when "
+                        "only --gif is given)")
     p.add_argument("--gif", default=None, help="also (or only) write an animated GIF here")
+    p.add_argument("--overwrite", action="store_true", help="replace the files -o and --gif name if they exist")
     p.add_argument("--fps", type=float, default=10.0, help="playback speed in frames per second (default: %(default)s)")
     p.add_argument("--title", default=None, help="page title (default: task, episode and how it ended)")
     p.add_argument("--start", type=int, default=0, help="GIF: first frame (default: 0)")
@@ -535,6 +537,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ReplayError(f"{flag} {out} is the episode file itself; choose another output")
         if overwritten_input(args.gif, [html_out]):
             raise ReplayError(f"--gif {args.gif} is also the HTML output (-o); choose two files")
+        # the default player beside the episode is made from it again, the same; a file the user
+        # named may be one they keep
+        for flag, out in (("-o", args.output), ("--gif", args.gif)):
+            if out is not None and not args.overwrite and os.path.isfile(out):
+                raise ReplayError(f"{flag} {out} already exists: --overwrite replaces it, or choose another file")
         episode = load_episode(args.episode)
         written = []
         if html_out is not None:

@@ -99,10 +99,11 @@ Example (a paid caption that comes right before every death; another paid at eve
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 from pathlib import Path
-from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import Deque, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -132,6 +133,8 @@ REPEAT_PAYMENTS = 3.0
 LOOP_WARNING_SHARE = 0.25
 """Episode loops that together earn at least this share of the intrinsic return get a ``!!`` line."""
 TOP = 10
+# episodes at the start and at the end of a run whose approved captions the summary compares
+APPROVED_WINDOW = 100
 EMPTY_HASH = hash_bytes(b"")
 
 # per caption, one row of HackingTally._data
@@ -157,6 +160,10 @@ class HackingTally:
             raise ValueError(f"the death window must be a positive number of steps, got {window}")
         self.window = int(window)
         self.texts: Dict[int, str] = {}
+        # distinct paid captions of the first and of the latest APPROVED_WINDOW episodes: the
+        # learning check's measure (an agent that learns meets more approved captions per episode)
+        self.approved_first: List[int] = []
+        self.approved_last: Deque[int] = collections.deque(maxlen=APPROVED_WINDOW)
         self.episodes = 0
         self.deaths = 0
         self.steps = 0
@@ -198,6 +205,10 @@ class HackingTally:
             self.deaths += 1
             self.window_steps += min(self.window, length)
         self.paid_total += float(paid.sum())
+        approved = int(len(np.unique(hashes[paid > 0]))) if len(hashes) else 0
+        if len(self.approved_first) < APPROVED_WINDOW:
+            self.approved_first.append(approved)
+        self.approved_last.append(approved)
         if not len(hashes):
             return
         uniq, inverse = np.unique(hashes, return_inverse=True)
@@ -327,7 +338,8 @@ class HackingTally:
         return {"window": self.window, "episodes": self.episodes, "deaths": self.deaths, "steps": self.steps,
                 "window_steps": self.window_steps, "paid_total": self.paid_total, "hashes": list(self._hashes),
                 "data": self._data[:n].tolist(),
-                "texts": {str(h): t for h, t in self.texts.items()}}
+                "texts": {str(h): t for h, t in self.texts.items()},
+                "approved_first": list(self.approved_first), "approved_last": list(self.approved_last)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores :meth:`state_dict` (the counts of the episodes before a checkpoint)."""
@@ -341,6 +353,25 @@ class HackingTally:
         self._data = np.zeros((max(64, len(data)), _FIELDS), dtype=np.float64)
         self._data[: len(data)] = data
         self.texts = {int(h): str(t) for h, t in state.get("texts", {}).items()}
+        self.approved_first = [int(n) for n in state.get("approved_first", [])][:APPROVED_WINDOW]
+        self.approved_last = collections.deque((int(n) for n in state.get("approved_last", [])),
+                                               maxlen=APPROVED_WINDOW)
+
+    def approved_per_episode(self) -> Optional[Tuple[float, float]]:
+        """``(first, latest)``: distinct paid captions per episode over the run's first and its
+        latest :data:`APPROVED_WINDOW` episodes; None until there are twice that many episodes
+        (before, the two windows overlap).
+
+        Example:
+            >>> tally = HackingTally()
+            >>> for k in range(2 * APPROVED_WINDOW):
+            ...     tally.add_episode([1, 2, 3], [0.0, 1.0 if k >= APPROVED_WINDOW else 0.0, 0.5], [1, 2, 3], 3, False)
+            >>> tally.approved_per_episode()
+            (1.0, 2.0)
+        """
+        if self.episodes < 2 * APPROVED_WINDOW or not self.approved_first:
+            return None
+        return float(np.mean(self.approved_first)), float(np.mean(self.approved_last))
 
 
 def _num(x) -> Optional[float]:

@@ -16,7 +16,7 @@ Example:
     ...         train()
     ... '''))
     True
-    >>> has_main_guard("from torchrl_oni.train import Trainer\\nTrainer(cfg).train()\\n")
+    >>> has_main_guard("from torchrl_oni.train import Trainer\\nTrainer.from_config(cfg).train()\\n")
     False
 """
 from __future__ import annotations

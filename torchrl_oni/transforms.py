@@ -27,6 +27,7 @@ Example:
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -84,7 +85,9 @@ class IntrinsicRewardTransform(KeyedTransform, Transform):
 
     ``caption_hash`` and ``msg_count`` may be ``[*B]`` (:class:`~torchrl_oni.envs.NLEBatchEnv`)
     or ``[*B, 1]`` (``GymWrapper``-based envs). A missing hash is computed from the message; a
-    missing count counts as 1 (no decay).
+    missing count counts as 1 (no decay), and the transform says so once (a ``UserWarning``
+    naming the fix: :class:`~torchrl_oni.envs.caption_keys.MessageCounter` before it, or
+    ``beta=0`` to pay undecayed on purpose).
 
     Where it runs: in a ``TransformedEnv`` (single, ``SerialEnv`` or ``ParallelEnv``) the reward
     is computed at step time; called on a batch or a replay-buffer sample it is (re)computed
@@ -187,6 +190,7 @@ class IntrinsicRewardTransform(KeyedTransform, Transform):
         self.dedupe = bool(dedupe)
         self.stats = RunningMeanStd() if self.normalize else None
         self.last_raw: Optional[torch.Tensor] = None  # R(m) of the last call, before decay
+        self._warned_no_count = False
 
     # ------------------------------------------------------------------ the computation
     def compute(
@@ -240,6 +244,20 @@ class IntrinsicRewardTransform(KeyedTransform, Transform):
             raise ValueError(f"the reward source returned {raw.numel()} values for {n} messages")
         return raw
 
+    def _warn_no_count(self) -> None:
+        # Without a count every sighting pays in full: an agent that repeats one approved caption
+        # earns it at every step, which is the reward hacking the decay exists to stop. The data
+        # still pass (a count of 1 is a valid reading), but silently paying is not.
+        if getattr(self, "_warned_no_count", False):
+            return
+        self._warned_no_count = True
+        warnings.warn(
+            f"{type(self).__name__}: the data have no {self.count_key!r}, so every sighting of a caption "
+            f"is paid in full (no msg_count ** -{self.beta:g} decay: 3 identical steps pay 3 times). "
+            "Add MessageCounter before it (`from torchrl_oni import MessageCounter`; oni_transforms() "
+            "includes it), or pass beta=0 to pay undecayed on purpose.",
+            UserWarning, stacklevel=2)
+
     def _source(self, root: TensorDictBase, nxt: TensorDictBase) -> TensorDictBase:
         return root if self.message == "acted" else nxt
 
@@ -249,7 +267,10 @@ class IntrinsicRewardTransform(KeyedTransform, Transform):
             where = "the root" if self.message == "acted" else "'next'"
             raise KeyError(f"{type(self).__name__}: no '{self.message_key}' in {where} of the tensordict "
                            f"(message={self.message!r})")
-        value = self.compute(messages, source.get(self.hash_key, None), source.get(self.count_key, None))
+        counts = source.get(self.count_key, None)
+        if counts is None and self.beta != 0.0:
+            self._warn_no_count()
+        value = self.compute(messages, source.get(self.hash_key, None), counts)
         device = messages.device
         if shape_hint is not None and int(torch.Size(shape_hint).numel()) == value.numel():
             shape = shape_hint

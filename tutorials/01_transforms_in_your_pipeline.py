@@ -40,7 +40,7 @@ FRAMES = 2048 if SMALL else 50_000   # collector frames in section 6
 # =========================================================================
 
 # %%
-import logging, time
+import logging, multiprocessing, time
 import torch
 import matplotlib.pyplot as plt
 from torchrl.envs import Compose, GymEnv, TransformedEnv
@@ -53,6 +53,11 @@ from torchrl_oni.captions import decode_messages
 torch.set_num_threads(1)
 _ = torch.manual_seed(0)
 logging.getLogger("torchrl").setLevel(logging.WARNING)   # quieter spec checks
+if "__file__" in globals():   # run as a script (python tutorials/01_...py), not as a notebook:
+    # worker processes start as copies of this one ("fork", as in TorchRL's own tutorials); under
+    # the default "spawn" each would import this file again and re-run it from the top. Your own
+    # scripts may keep spawn and put their code under `if __name__ == "__main__":` instead.
+    multiprocessing.set_start_method("fork", force=True)
 
 # %% [markdown]
 # ## 1. One call
@@ -161,7 +166,8 @@ env.close()                        # closes the stack too: the annotation thread
 # process has imported neither NLE nor `torchrl_oni`, so name the id with its module
 # (`"nle:NetHackScore-v0"`, `"torchrl_oni:NetHackScore-v1"`): gymnasium imports it first. The same
 # stack also serves `NLEBatchEnv`, which steps K games in one process about 10× faster per frame
-# and writes `caption_hash` and `msg_count` itself; the stack leaves them.
+# and writes `caption_hash` and `msg_count` itself; the stack leaves them. (Run as a script, this
+# file forks its `ParallelEnv` workers: see the imports cell.)
 
 # %%
 from functools import partial

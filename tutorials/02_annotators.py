@@ -305,7 +305,7 @@ else:
 # blocks training; its numbers are logged as `human/*` (answers, agreement with the LLM).
 #
 # **Auditing the LLM after a run** is the same page over the saved store:
-# `oni-label --store runs/oni/captions.pt` (the screens saved beside it, `captions.screens.pt`, are
+# `oni-label --store RUN/captions.pt` (the screens saved beside it, `captions.screens.pt`, are
 # found by default). Press **l** after answering to compare; the agreement panel is the LLM's
 # accuracy on the captions you checked, and your answers replace its labels in the store (a run
 # resumed with `--caption-store` keeps them). For label-efficiency experiments without people,

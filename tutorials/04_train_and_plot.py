@@ -32,7 +32,7 @@ RUN_ROOT = "runs/tutorial04"               # run folders go here (relative to th
 # =========================================================================
 
 # %%
-import logging, time
+import logging, multiprocessing, time
 import numpy as np
 import torch
 import matplotlib.pyplot as plt
@@ -41,6 +41,12 @@ from torchrl_oni.train import TrainConfig, Trainer
 from torchrl_oni.train.run_log import read_metrics
 
 logging.getLogger("torchrl").setLevel(logging.WARNING)   # quieter storage messages
+if "__file__" in globals():   # run as a script (python tutorials/04_...py), not as a notebook:
+    # the env worker processes start as copies of this one ("fork", as in TorchRL's own
+    # tutorials); under the default "spawn" each would import this file again and re-run it from
+    # the top. Your own scripts may keep spawn and put their code under
+    # `if __name__ == "__main__":` instead (the trainer refuses an unguarded script under spawn).
+    multiprocessing.set_start_method("fork", force=True)
 
 # %% [markdown]
 # ## 1. The configuration
@@ -82,17 +88,15 @@ print(configs["retrieval"].resolved().to_yaml())
 # %% [markdown]
 # ## 2. Two short runs
 #
-# `build_intrinsic_hooks(cfg)` builds what the intrinsic reward needs (caption store, annotator,
-# reward transform) as trainer hooks, exactly as `oni-train` does; with `intrinsic_reward="none"`
-# there are none.
+# `Trainer.from_config(cfg)` resolves the configuration once and builds what the intrinsic reward
+# needs (caption store, annotator, reward transform) as a trainer hook, exactly as `oni-train`
+# does; with `intrinsic_reward="none"` there is none.
 
 # %%
-from torchrl_oni.train.intrinsic import build_intrinsic_hooks
-
 runs = {}
 for name, cfg in configs.items():
     t0 = time.perf_counter()
-    summary = Trainer(cfg, hooks=build_intrinsic_hooks(cfg)).train()
+    summary = Trainer.from_config(cfg).train()
     runs[name] = cfg.log.logdir
     print(f"{name:10s} {summary['frames']:,.0f} frames in {time.perf_counter() - t0:.0f} s "
           f"({summary.get('fps', float('nan')):,.0f} frames/s)")

@@ -32,11 +32,13 @@ worker)  # on every CPU node: one env actor per core, two cores left to Ray's ow
     ;;
 train)  # on $HEAD once the workers have joined (`ray status` lists them): one command.
         # --workers: total env actors = the CPUs the worker nodes offer (ray status, "CPU");
-        # --envs-per-worker 32: one PPO batch per worker is 32 games x 32 steps = 1024 frames
+        # --envs-per-worker 32: one PPO batch per worker is 32 games x 32 steps = 1024 frames;
+        # each run gets a new folder runs/oni-<date>-<time> (named when it starts), LOGDIR=<that
+        # folder> RESUME=1 continues it (oni-train never writes over a run without --resume)
     WORKERS=${WORKERS:?set WORKERS to the number of CPUs the worker nodes offer}
     oni-train --backend ray --ray-address "$HEAD:6379" --workers "$WORKERS" --envs-per-worker 32 \
         --device cuda --task score --intrinsic-reward retrieval \
-        --llm-url "http://$LLM:8000/v1" --llm-model "$MODEL" --logdir runs/oni-cluster
+        --llm-url "http://$LLM:8000/v1" --llm-model "$MODEL" ${LOGDIR:+--logdir "$LOGDIR"} ${RESUME:+--resume}
     ;;
 stop)  # on every node at the end
     ray stop

@@ -21,6 +21,7 @@ Example:
 from torchrl_oni.annotators.base import (
     FIRST,
     SECOND,
+    SKIP_ERROR,
     TIE,
     Annotator,
     AnnotatorStats,
@@ -28,18 +29,13 @@ from torchrl_oni.annotators.base import (
     Preference,
     Provenance,
 )
-from torchrl_oni.annotators.client import (
-    AnnotatorUnavailable,
-    CircuitBreaker,
-    Completion,
-    LLMClient,
-    RequestSizer,
-    resolve_model,
-)
+from torchrl_oni.annotators.client import Completion, LLMClient
+from torchrl_oni.annotators.endpoints import AnnotatorUnavailable, resolve_model
 from torchrl_oni.annotators.openai import OpenAIAnnotator
+from torchrl_oni.annotators.pacing import CircuitBreaker, RequestSizer
 from torchrl_oni.annotators.scripted import ScriptedAnnotator
 from torchrl_oni.annotators.stored import NoNewLabels
-from torchrl_oni.annotators.teacher import SKIP_ERROR, SimulatedTeacher
+from torchrl_oni.annotators.teacher import SimulatedTeacher
 
 __all__ = [
     "FIRST",

@@ -12,7 +12,7 @@ Two endpoints:
   text (Llama-3 chat layout for Llama-3 models, as ONI did);
 * ``api="chat"`` (``/v1/chat/completions``): one request per prompt.
 
-**A slow answer is not a failure.** Each server gets a :class:`RequestSizer`
+**A slow answer is not a failure.** Each server gets a :class:`~torchrl_oni.annotators.pacing.RequestSizer`
 (:mod:`torchrl_oni.annotators.pacing`, where the rules are) that adapts prompts per request
 (from ``initial_batch_size`` up to ``batch_size``), requests in flight (up to
 ``max_concurrency``) and each request's time limit (between ``min_timeout_s`` and
@@ -98,25 +98,10 @@ from torchrl_oni.annotators.endpoints import (
     _Endpoint,
     _fetch_models,
     _one_line,
-    normalize_base_url,
-    resolve_model,
 )
 from torchrl_oni.annotators.pacing import CircuitBreaker, RequestSizer
 
-__all__ = [
-    "API_KEY_ENV",
-    "AUTH_ERROR",
-    "CIRCUIT_OPEN",
-    "AnnotatorUnavailable",
-    "CircuitBreaker",
-    "Completion",
-    "LLMClient",
-    "LLMClientFacade",
-    "RequestSizer",
-    "client_attribute",
-    "normalize_base_url",
-    "resolve_model",
-]
+__all__ = ["CIRCUIT_OPEN", "Completion", "LLMClient", "LLMClientFacade", "client_attribute"]
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +177,9 @@ class LLMClient:
     Args:
         base_url: the server, e.g. ``http://gpu-node:9001/v1`` (``host:port`` is accepted), or
             a list of servers that all serve ``model`` (a pool).
-        model: the served model name (see :func:`resolve_model`); ``None``: the only model the
-            servers serve, found by :meth:`check` (which must then be awaited first).
+        model: the served model name (see :func:`~torchrl_oni.annotators.endpoints.resolve_model`);
+            ``None``: the only model the servers serve, found by :meth:`check` (which must then be
+            awaited first).
         api: ``"completions"`` (batched prompts) or ``"chat"`` (one request per prompt).
         batch_size: most prompts per ``/v1/completions`` request (ONI sent 100).
         max_concurrency: most requests in flight, per server.
@@ -766,6 +752,12 @@ class LLMClient:
             out[category] += n
         return dict(out)
 
+    def servers(self) -> List[Tuple[str, bool, str]]:
+        """``(url, up, last_error)`` of each server: up while its circuit breaker lets requests
+        through. Thread-safe."""
+        with self._lock:
+            return [(ep.url, bool(ep.breaker.allow()), ep.last_error or "") for ep in self._endpoints]
+
     def describe(self) -> str:
         """One line on the servers' state, e.g. ``"1 of 2 LLM servers up (down: http://...:
         connection error ClientConnectorError)"``; empty when every server is up."""
@@ -900,6 +892,10 @@ class LLMClientFacade:
     def recent(self, window_s: float = 60.0) -> Dict[str, int]:
         """Requests by outcome over the last ``window_s`` seconds (:meth:`LLMClient.recent`)."""
         return self.client.recent(window_s)
+
+    def servers(self) -> List[Tuple[str, bool, str]]:
+        """``(url, up, last_error)`` of each server (:meth:`LLMClient.servers`)."""
+        return self.client.servers()
 
     def describe(self) -> str:
         """One line on the servers' state; empty when every server is up."""

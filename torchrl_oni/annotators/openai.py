@@ -65,28 +65,7 @@ from torchrl_oni.annotators.parsing import (
     score_from_top_logprobs,
 )
 
-# These names lived here before the HTTP client had its own module: re-exported, kept for one
-# release, so that ``from torchrl_oni.annotators.openai import X`` still works.
-from torchrl_oni.annotators.client import CIRCUIT_OPEN  # noqa: F401
-from torchrl_oni.annotators.endpoints import (  # noqa: F401
-    API_KEY_ENV,
-    AUTH_ERROR,
-    AnnotatorUnavailable,
-    _auth_headers,
-    normalize_base_url,
-    resolve_model,
-)
-from torchrl_oni.annotators.pacing import CircuitBreaker, RequestSizer  # noqa: F401
-
-__all__ = [
-    "AnnotatorUnavailable",
-    "CircuitBreaker",
-    "Completion",
-    "OpenAIAnnotator",
-    "RequestSizer",
-    "normalize_base_url",
-    "resolve_model",
-]
+__all__ = ["OpenAIAnnotator"]
 
 # The stop strings of each prompt family (the answer ends with its label / choice / line).
 _STOPS = {"tagged": ["</label>"], "ranking": ["</best>"], "short": ["\n"]}
@@ -101,8 +80,9 @@ class OpenAIAnnotator(LLMClientFacade):
     Args:
         base_url: the server, e.g. ``http://gpu-node:9001/v1`` (``host:port`` is accepted), or
             a list of servers that all serve ``model`` (a pool).
-        model: the served model name (see :func:`resolve_model`); ``None``: the only model the
-            servers serve, found by :meth:`check` (which must then be awaited first).
+        model: the served model name (see :func:`~torchrl_oni.annotators.endpoints.resolve_model`);
+            ``None``: the only model the servers serve, found by :meth:`check` (which must then be
+            awaited first).
         api: ``"completions"`` (batched prompts) or ``"chat"`` (one request per caption).
         goal: ``"default"``, ``"combat"``, ``"gold"``, ``"stairs"`` or ``"zero-knowledge"``.
         prompt: ``"tagged"`` (ONI-style reasoning + ``<label>``) or ``"short"`` (one ``yes``/``no``

@@ -46,7 +46,7 @@ import numpy as np
 from torchrl_oni.annotators.base import FIRST, SECOND, SKIP_ERROR, TIE, AnnotatorStats, Label, Preference, Provenance
 from torchrl_oni.annotators.scripted import ScriptedAnnotator
 
-__all__ = ["SimulatedTeacher", "SKIP_ERROR"]  # SKIP_ERROR lives in annotators.base, re-exported here
+__all__ = ["SimulatedTeacher"]
 
 
 def _sigmoid(x: float) -> float:

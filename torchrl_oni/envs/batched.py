@@ -56,7 +56,8 @@ from torchrl.envs import EnvBase
 from nle import nethack
 
 from ..captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, MSG_COUNT_KEY, hash_bytes
-from .tasks import OBSERVATION_KEYS, ONITask, make_task, resolve_task
+from ..task_ids import resolve_task
+from .tasks import OBSERVATION_KEYS, ONITask, make_task
 
 __all__ = ["NLEBatchEnv", "GlyphWindows", "EPISODE_STATS", "OFF_MAP_GLYPH", "SCREEN_KEYS"]
 

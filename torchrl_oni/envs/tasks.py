@@ -21,6 +21,11 @@ The env is lean on purpose: it copies only the blstats it needs between steps (N
 ``step`` copies every observation array), because the batched TorchRL env steps many of these
 per process and NetHack itself takes only ~50 µs a step.
 
+Rendering: ``render_mode`` is one of NLE's (``"human"``, ``"ansi"``, ``"full"``, ``"pixel"``)
+and ``render()`` gives what NLE's own ids give. The screens those modes draw from (the terminal,
+the map's characters) are kept by NetHack beside the observation, never in it, and only for an
+env made with a ``render_mode``: the default (``None``, gymnasium's "no rendering") keeps none.
+
 Example:
     >>> from torchrl_oni.envs.tasks import make_task
     >>> env = make_task("score")
@@ -30,6 +35,11 @@ Example:
     >>> obs, reward, terminated, truncated, info = env.step(0)
     >>> sorted(k for k in info if k in ("dlvl", "gold", "xlvl"))
     ['dlvl', 'gold', 'xlvl']
+    >>> env.close()
+    >>> env = make_task("score", render_mode="ansi")  # the observation stays the same three keys
+    >>> obs, info = env.reset(seed=3)
+    >>> sorted(obs), "@" in env.render()
+    (['blstats', 'glyphs', 'message'], True)
     >>> env.close()
 """
 from __future__ import annotations
@@ -43,15 +53,11 @@ from nle import nethack
 from nle.env import base as nle_base
 from nle.env import tasks as nle_tasks
 
-from ..task_ids import TASK_ALIASES, TASKS, resolve_task, task_names
+from ..task_ids import TASKS, resolve_task
 
 __all__ = [
-    "TASKS",
-    "TASK_ALIASES",
     "ONITask",
     "make_task",
-    "resolve_task",
-    "task_names",
     "MOTIF_ACTIONS",
     "EXTENDED_ACTIONS",
 ]
@@ -69,6 +75,15 @@ EXTENDED_ACTIONS = MOTIF_ACTIONS + (
 # glyphs, not chars/colours: NetHack fills every requested buffer on every step, and with many
 # games per process each extra buffer costs cache (32 games: 1.23x faster without chars/colours)
 OBSERVATION_KEYS = ("glyphs", "blstats", "message")
+
+# what NLE's render() reads, per mode: NetHack fills these beside the observation (never in it),
+# and only for an env made to render, so training envs pay nothing for them
+RENDER_KEYS = {
+    "human": ("tty_chars", "tty_colors", "tty_cursor"),
+    "ansi": ("chars",),
+    "full": ("chars", "colors", "inv_strs", "inv_letters"),
+    "pixel": (),  # drawn from NetHack's own glyph state
+}
 
 # Yes/no questions the agent answers itself (NLE's list plus "drink").
 ANSWERED_BY_AGENT = (b"eat", b"attack", b"direction?", b"pray", b"drink")
@@ -124,6 +139,9 @@ class ONITask(nle_base.NLE):
         character: NetHack character string (default ``"mon-hum-neu-mal"``, a Monk).
         observation_keys: NLE keys to return (``glyphs``, ``blstats``, ``message`` are
             always needed internally).
+        render_mode: ``None`` (no rendering, the default) or one of ``metadata["render_modes"]``
+            (NLE's): ``"human"`` prints the terminal, ``"ansi"`` returns the map as text,
+            ``"full"`` prints message, inventory and map, ``"pixel"`` returns an RGB array.
     """
 
     StepStatus = nle_tasks.NetHackStaircase.StepStatus  # ABORTED, RUNNING, DEATH, TASK_SUCCESSFUL
@@ -144,19 +162,33 @@ class ONITask(nle_base.NLE):
         max_episode_steps: int = 5000,
         character: str = "mon-hum-neu-mal",
         observation_keys=OBSERVATION_KEYS,
+        render_mode: Optional[str] = None,
         **kwargs,
     ):
         if goal not in ("score", "staircase", "oracle"):
             raise ValueError(f"unknown goal {goal!r}")
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(
+                f"unknown render_mode {render_mode!r}; choose one of {self.metadata['render_modes']} or None"
+            )
         actions = EXTENDED_ACTIONS if extended_actions else MOTIF_ACTIONS
+        observation_keys = tuple(observation_keys)
+        render_keys = tuple(k for k in RENDER_KEYS.get(render_mode, ()) if k not in observation_keys)
         super().__init__(
             actions=actions,
             max_episode_steps=max_episode_steps,
             character=character,
-            observation_keys=tuple(observation_keys),
+            observation_keys=observation_keys + render_keys,
             fix_moon_phase=True,  # phase of the moon from the seed, not the wall clock
+            render_mode=render_mode,
             **kwargs,
         )
+        if render_keys:
+            # NetHack fills the render buffers (NLE's render() finds them in _observation_keys);
+            # the observation and its space stay those asked for
+            self._original_observation_keys = observation_keys
+            self._original_indices = tuple(self._observation_keys.index(k) for k in observation_keys)
+            self.observation_space = gym.spaces.Dict({k: self.observation_space[k] for k in observation_keys})
         self.extended_actions = extended_actions
         self.goal = goal
         self.target_level = int(target_level)
@@ -170,6 +202,31 @@ class ONITask(nle_base.NLE):
         self._seed: Optional[int] = None
         self._seeded_episode = 0
         self._reset_stats()
+
+    def render(self):
+        """NLE's render in ``self.render_mode``; ``None`` with a warning for an env made without one."""
+        if self.render_mode is None:
+            gym.logger.warn(
+                "render() called on an env made without render_mode; make it with render_mode= one of "
+                f"{self.metadata['render_modes']} (gymnasium.make(id, render_mode=...) or "
+                "make_task(..., render_mode=...))"
+            )
+            return None
+        if self.render_mode == "full":
+            return self._render_full()
+        return super().render()
+
+    def _render_full(self):
+        # NLE's "full" mode, with the colours widened first: NLE's own hands uint8 colours to
+        # tty_render, whose ``colour & ~8`` raises OverflowError under numpy 2
+        obs, keys = self.last_observation, self._observation_keys
+        print(obs[keys.index("message")].tobytes().split(b"\0", 1)[0].decode("ascii", "replace"))
+        for letter, line in zip(obs[keys.index("inv_letters")], obs[keys.index("inv_strs")]):
+            if not line.any():
+                break
+            print(chr(letter), line.tobytes().split(b"\0", 1)[0].decode("ascii", "replace"))
+        print(nethack.tty_render(obs[keys.index("chars")], obs[keys.index("colors")].astype(np.int16)))
+        return None
 
     # ------------------------------------------------------------------ seeding
     def reset(self, seed: Optional[int] = None, options=None):

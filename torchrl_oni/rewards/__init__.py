@@ -29,7 +29,7 @@ Example:
     >>> count_scale(torch.ones(3), torch.tensor([1, 2, 3]), beta=3.0)
     tensor([1.0000, 0.1250, 0.0370])
 """
-from torchrl_oni.rewards.bow import BoWReward, HashedWordVectors, MiniLMTokenVectors
+from torchrl_oni.rewards.bow import BoWReward
 from torchrl_oni.rewards.classification import ClassificationReward, ClassifierTrainer, LabelledCaptions
 from torchrl_oni.rewards.ensemble import (
     SURF,
@@ -41,6 +41,15 @@ from torchrl_oni.rewards.ensemble import (
     bootstrap_counts,
 )
 from torchrl_oni.rewards.models import MessageClassifier, MessageEncoder, MessageRewardModel
+from torchrl_oni.rewards.motif import (
+    MotifReward,
+    annotate_pairs,
+    annotate_pairs_async,
+    collect_frequency_pairs,
+    collect_pairs,
+    store_captions,
+    train_reward_model,
+)
 from torchrl_oni.rewards.ranking import (
     LabelledPairs,
     PairQueue,
@@ -51,6 +60,7 @@ from torchrl_oni.rewards.ranking import (
 )
 from torchrl_oni.rewards.retrieval import LabelLookup, RetrievalReward
 from torchrl_oni.rewards.scaling import RunningMeanStd, combine_rewards, count_scale, threshold
+from torchrl_oni.rewards.text import HashedWordVectors, MiniLMTokenVectors
 from torchrl_oni.rewards.training import RewardModelSchedule, holdout_mask
 
 __all__ = [
@@ -92,16 +102,3 @@ __all__ = [
     "count_scale",
     "threshold",
 ]
-
-# Motif's names load lazily, so that ``python -m torchrl_oni.rewards.motif`` runs its CLI
-# without the module having been imported by this package first.
-_MOTIF_NAMES = ("MotifReward", "annotate_pairs", "annotate_pairs_async", "collect_pairs", "collect_frequency_pairs",
-                "store_captions", "train_reward_model")
-
-
-def __getattr__(name):
-    if name in _MOTIF_NAMES:
-        from torchrl_oni.rewards import motif
-
-        return getattr(motif, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ must ship inside a package (nothing is downloaded at run time); they come from
 ``torchrl_oni[bow]``: all-MiniLM-L6-v2's static token table) or
 :class:`~torchrl_oni.rewards.text.HashedWordVectors` (no dependency, purely lexical).
 
-A third source, ``"sentence"`` (:func:`make_vectors`), embeds the whole text with the full
+A third source, ``"sentence"`` (:func:`~torchrl_oni.rewards.text.make_vectors`), embeds the whole text with the full
 all-MiniLM-L6-v2 transformer (:class:`~torchrl_oni.rewards.text.MiniLMEncoder`: mean pooling,
 L2 norm; ELLM's kind of encoder) instead of summing static token vectors. It is **not** the
 default, because it is not better here and costs far more. AUC of ``cos(message, goal sentence)``
@@ -32,7 +32,8 @@ hashed        0.738        0.961   0.883   1.000   0.896   ~0.05 ms
 Example:
     >>> import torch
     >>> from torchrl_oni.captions import encode_messages, hash_messages
-    >>> from torchrl_oni.rewards.bow import BoWReward, HashedWordVectors
+    >>> from torchrl_oni.rewards.bow import BoWReward
+    >>> from torchrl_oni.rewards.text import HashedWordVectors
     >>> reward = BoWReward("kill monsters and collect gold", vectors=HashedWordVectors(), threshold=0.0)
     >>> msgs = encode_messages(["You kill the newt!", "It's a wall."])
     >>> r = reward(torch.as_tensor(msgs), torch.as_tensor(hash_messages(msgs)))
@@ -51,28 +52,9 @@ import torch
 from torchrl_oni.captions import MESSAGE_LEN, decode_message, hash_messages
 from torchrl_oni.locks import OwnLockOnCopy
 
-# The word vectors moved to rewards/text.py (with the sentence encoders); importing them from
-# here still works.
-from torchrl_oni.rewards.text import (
-    STOPWORDS,
-    VECTOR_KINDS,
-    HashedWordVectors,
-    MiniLMTokenVectors,
-    WordVectors,
-    make_vectors,
-)
+from torchrl_oni.rewards.text import MiniLMTokenVectors, WordVectors
 
-__all__ = [
-    "DEFAULT_GOAL",
-    "GOAL_SENTENCES",
-    "STOPWORDS",
-    "VECTOR_KINDS",
-    "WordVectors",
-    "HashedWordVectors",
-    "MiniLMTokenVectors",
-    "BoWReward",
-    "make_vectors",
-]
+__all__ = ["DEFAULT_GOAL", "GOAL_SENTENCES", "BoWReward"]
 
 # Our own wording of the "score" goal: fight, collect gold, go deeper.
 DEFAULT_GOAL = (
@@ -102,7 +84,8 @@ class BoWReward(OwnLockOnCopy):
 
     Args:
         goal: the goal sentence (default: :data:`DEFAULT_GOAL`).
-        vectors: a :class:`WordVectors` (default: :class:`MiniLMTokenVectors`, which needs
+        vectors: a :class:`~torchrl_oni.rewards.text.WordVectors` (default:
+            :class:`~torchrl_oni.rewards.text.MiniLMTokenVectors`, which needs
             the ``bow`` extra).
         threshold: cosines at or below it pay 0 (ONI's default -0.5 leaves it effectively off).
         cache_size: the most memoised captions; the oldest are forgotten first.

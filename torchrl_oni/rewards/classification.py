@@ -43,25 +43,9 @@ import torch
 from torch import nn
 
 from torchrl_oni.rewards.models import MessageClassifier, ServedModel, as_message_tensor
-# The schedule, holdout and labelled arrays moved to rewards/training.py; their old import path
-# (torchrl_oni.rewards.classification) is kept for one release.
-from torchrl_oni.rewards.training import (
-    RewardModelSchedule,
-    ScheduledTraining,
-    holdout_mask,
-    labelled_arrays,
-)
+from torchrl_oni.rewards.training import RewardModelSchedule, ScheduledTraining, holdout_mask, labelled_arrays
 
-__all__ = [
-    "LabelledCaptions",
-    "ClassificationReward",
-    "ClassifierTrainer",
-    # kept for one release: defined in torchrl_oni.rewards.training
-    "RewardModelSchedule",
-    "ScheduledTraining",
-    "holdout_mask",
-    "labelled_arrays",
-]
+__all__ = ["LabelledCaptions", "ClassificationReward", "ClassifierTrainer"]
 
 
 @runtime_checkable
@@ -113,7 +97,7 @@ class ClassifierTrainer(ScheduledTraining):
     """Trains a :class:`ClassificationReward`'s network online on the store's labels.
 
     Each :meth:`train_steps` call takes a snapshot of the labelled captions, splits off the
-    held-out slice (:func:`holdout_mask`), runs Adam steps on balanced (or class-weighted)
+    held-out slice (:func:`~torchrl_oni.rewards.training.holdout_mask`), runs Adam steps on balanced (or class-weighted)
     minibatches, and publishes the updated weights to the reward.
 
     Args:
@@ -124,7 +108,7 @@ class ClassifierTrainer(ScheduledTraining):
         holdout_fraction: share of captions kept for evaluation (0 to train on all).
         balance: ``"sampler"`` (half helpful, half not per batch), ``"weighted"`` (inverse
             class frequency weights in the loss) or ``"none"`` (ONI's plain CE).
-        schedule: the :class:`RewardModelSchedule` that :meth:`after_iteration` follows.
+        schedule: the :class:`~torchrl_oni.rewards.training.RewardModelSchedule` that :meth:`after_iteration` follows.
         device: where training runs (default: the reward's device).
         seed: seed of the minibatch sampler.
 

@@ -31,7 +31,7 @@ call                                 returns             meaning
 **Bootstrap.** Member m sees each labelled caption ``c ~ Poisson(1)`` times, with ``c`` a
 deterministic function of the caption hash and m (the online bootstrap of Oza & Russell): the
 resample stays the same as labels arrive, needs no memory, and is the same in every process.
-Captions of the held-out slice (:func:`~torchrl_oni.rewards.classification.holdout_mask`) keep
+Captions of the held-out slice (:func:`~torchrl_oni.rewards.training.holdout_mask`) keep
 one copy each, so every member's held-out evaluation is unchanged.
 
 **SURF** (Park et al., 2022): an unlabelled caption whose ensemble-mean P(helpful) is ≥ τ or
@@ -764,13 +764,3 @@ class RUNEBonus:
 
     def load_state_dict(self, state: dict) -> None:
         self.t = int(state["t"])
-
-
-def __getattr__(name):
-    # kept for one release: rune_transform builds a transform, so it lives with the transforms now
-    # (by name: this library module must not import the transform layer above it)
-    if name == "rune_transform":
-        import importlib
-
-        return importlib.import_module("torchrl_oni.transforms").rune_transform
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
-import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
 
@@ -71,16 +69,15 @@ __all__ = [
     "load_annotations",
     "train_reward_model",
     "MotifReward",
-    "collect_pairs_main",
-    "annotate_pairs_main",
-    "train_reward_main",
 ]
 
 QUANTILE_LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05, 0.10, ..., 0.95
 
-# a pair's status, in the numbering every labelling queue of the package shares
-NOT_ASKED, TIED = UNSEEN, SKIPPED  # tied: identical captions, no call (LABELLED, FAILED as they are)
-PENDING, AUTO_TIE = NOT_ASKED, TIED  # Motif's former names, kept for one release
+# A pair's status, in the numbering every labelling queue of the package shares (store.status).
+# Motif's own names for two of its values: a pair not asked yet is UNSEEN (not PENDING, which is
+# "handed out, no answer yet", a state a pair file never holds); a tie of identical captions,
+# decided without a call, is SKIPPED. LABELLED and FAILED are used as they are.
+NOT_ASKED, TIED = UNSEEN, SKIPPED
 STATUS_VERSION = 2
 _FORMER_STATUS = np.array([NOT_ASKED, LABELLED, FAILED, TIED], dtype=np.int8)  # files without status_version
 CHECKPOINT_FORMAT = "torchrl_oni.motif_reward.v1"
@@ -553,20 +550,3 @@ class MotifReward:
         z = self.normalized_scores(messages)
         return z if self.cut is None else threshold_values(z, self.cut)
 
-
-# The command-line tools live in torchrl_oni.train.motif_cli (they take oni-train's annotator
-# settings); installed console scripts (and ``python -m torchrl_oni.rewards.motif``) may still
-# name them here. They are looked up on first use, through importlib: this library imports
-# nothing of the trainer.
-_CLI_MODULE = "torchrl_oni.train.motif_cli"
-_CLI_NAMES = ("collect_pairs_main", "annotate_pairs_main", "train_reward_main", "main")
-
-
-def __getattr__(name):
-    if name in _CLI_NAMES:
-        return getattr(importlib.import_module(_CLI_MODULE), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    sys.exit(importlib.import_module(_CLI_MODULE).main())

@@ -74,7 +74,7 @@ __all__ = [
     "minilm_available",
 ]
 
-log = logging.getLogger("torchrl_oni.rewards.encoder")  # the encoders' log name before text.py
+log = logging.getLogger(__name__)
 
 VECTOR_KINDS = ("auto", "minilm", "sentence", "hashed")
 ENCODERS = ("auto", "minilm", "hashed")

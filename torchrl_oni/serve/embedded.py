@@ -5,7 +5,7 @@ A small CPU model (or a rule-based stand-in) behind the OpenAI API, in three par
 * :mod:`torchrl_oni.serve.engines` — the engines that load a model and generate
   (:class:`TransformersEngine`, :class:`ScriptedEngine`, :func:`make_engine`).
 * :mod:`torchrl_oni.serve.http` — the HTTP protocol: routes, batching, client limits
-  (:class:`OpenAIServer`).
+  (:class:`~torchrl_oni.serve.http.OpenAIServer`).
 * this module — running it: :class:`ServerHandle` (the app served from a background thread),
   :func:`start_embedded_server` (load, serve, return once it answers) and
   :func:`start_embedded_process` (the same server in a child process).
@@ -27,32 +27,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from torchrl_oni.net import AppThread, check_exposure
-# Names that moved to engines.py, http.py and torchrl_oni.net, importable from here as before:
-# kept for one release.
-from torchrl_oni.net import free_port, is_loopback  # noqa: F401
-from torchrl_oni.serve.engines import (PROMPT_BYTES_PER_TOKEN, SCRIPTED_MODEL_NAME,  # noqa: F401
-                                       Completion, ScriptedEngine, TransformersEngine,
-                                       make_engine)
-from torchrl_oni.serve.http import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE,  # noqa: F401
-                                    DEFAULT_READ_TIMEOUT, OpenAIServer, RequestError)
+from torchrl_oni.serve.engines import TransformersEngine, make_engine
+from torchrl_oni.serve.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_READ_TIMEOUT, OpenAIServer
 
-__all__ = [
-    "Completion",
-    "ScriptedEngine",
-    "TransformersEngine",
-    "OpenAIServer",
-    "ServerHandle",
-    "start_embedded_server",
-    "make_engine",
-    "check_exposure",
-    "is_loopback",
-    "free_port",
-    "SCRIPTED_MODEL_NAME",
-    "DEFAULT_MAX_QUEUE",
-    "DEFAULT_READ_TIMEOUT",
-    "DEFAULT_MAX_BODY_BYTES",
-    "PROMPT_BYTES_PER_TOKEN",
-]
+__all__ = ["ServerHandle", "start_embedded_server", "start_embedded_process"]
 
 
 class ServerHandle:
@@ -60,13 +38,13 @@ class ServerHandle:
 
     Use as a context manager to stop it on exit. It runs the application with handler
     cancellation (a request whose client disconnects stops waiting for the engine) and
-    :meth:`OpenAIServer.watch_connections`, on a :class:`~torchrl_oni.net.AppThread`.
+    :meth:`~torchrl_oni.serve.http.OpenAIServer.watch_connections`, on a :class:`~torchrl_oni.net.AppThread`.
 
     Args:
         server: the application.
         host, port: where to listen; port 0 picks a free port.
         insecure_no_auth: allow a ``host`` other machines can reach without an API key
-            (:func:`check_exposure`).
+            (:func:`~torchrl_oni.net.check_exposure`).
 
     Raises:
         ValueError: a reachable ``host`` and no API key, without ``insecure_no_auth``.

@@ -9,7 +9,7 @@ import importlib
 __all__ = ["TrainConfig", "PRESETS", "INTRINSIC_REWARDS", "Trainer", "TrainHook"]
 
 _HOMES = {"TrainConfig": ".config", "PRESETS": ".config", "INTRINSIC_REWARDS": ".config", "Trainer": ".ppo",
-          "TrainHook": ".ppo"}
+          "TrainHook": ".hooks"}
 
 
 def __getattr__(name):

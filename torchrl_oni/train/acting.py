@@ -27,7 +27,7 @@ TorchRL's own machinery (``torchrl.modules.inference_server``):
   would;
 * **weights**: :meth:`PolicyServer.update_weights` copies the learner's weights into the served
   copy in place, between two forwards; nothing is sent to the workers, so the collector's
-  ``update_policy_weights_`` is not needed (:func:`~torchrl_oni.train.distributed.make_collector`
+  ``update_policy_weights_`` is not needed (:func:`~torchrl_oni.train.backends.make_collector`
   makes it a no-op when given worker policies);
 * **failures**: when the server stops (``shutdown``, or its thread dies) a waiting worker raises
   :class:`PolicyServerGone` within 0.1 s; a worker whose trainer process died, or whose request
@@ -39,7 +39,7 @@ collector's workers), not from Ray actors; the served forward sets tensordict's 
 which is process-wide, so no other thread of the trainer process should change it meanwhile (the
 trainer's PPO update does not).
 
-Usage with a collector (see :func:`~torchrl_oni.train.distributed.make_collector`)::
+Usage with a collector (see :func:`~torchrl_oni.train.backends.make_collector`)::
 
     server = PolicyServer(actor, device=torch.device("cuda"), num_workers=n, example=factories[0])
     collector = make_collector("local", factories, actor_cpu_copy, frames_per_batch=..., total_frames=...,
@@ -179,7 +179,7 @@ class WorkerPolicy(TensorDictModuleBase):
 
     It can only be pickled while a process is being spawned (its shared-memory slots and
     semaphores travel by inheritance): hand it to the collector, e.g. through
-    :func:`~torchrl_oni.train.distributed.make_collector` (``worker_policies=``).
+    :func:`~torchrl_oni.train.backends.make_collector` (``worker_policies=``).
 
     Raises:
         PolicyServerGone: the server stopped, the trainer process died, or no answer came within

@@ -101,11 +101,10 @@ def start_llm(ann):
     (the model defaults to the only one they list) or the embedded CPU server, started here in a
     process of its own (see :func:`~torchrl_oni.serve.start_embedded_process`).
 
-    ``ann`` is the ``annotation`` section of the configuration (or, as before, the whole tree)."""
+    ``ann`` is the ``annotation`` section of the configuration."""
     from ..annotators import resolve_model
     from .reward_types import LLMEndpoint
 
-    ann = getattr(ann, "annotation", ann)  # the whole tree: the call form kept for one release
     if ann.llm_url:
         urls = tuple(ann.llm_url)
         model = resolve_model(list(urls), ann.llm_model, api_key=ann.llm_api_key)

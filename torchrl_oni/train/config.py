@@ -41,15 +41,21 @@ setting                                    range             why this far
 ``--feedback-port``                        [0, 65535]        TCP ports (0: any free one)
 =========================================  ================  =============================================
 
-Derived defaults live here too: ``intrinsic_coeff`` left unset is 0.4 with an intrinsic
-reward and 0 without (:meth:`TrainConfig.resolved`), whether the configuration comes from the
-command line, a file or Python.
+Derived values are computed here too, in one place and once per run
+(:meth:`TrainConfig.resolved`, called by ``oni-train`` right after parsing and by
+``Trainer.from_config``): the defaults that depend on other settings, written to the run's
+``config.yaml`` (``intrinsic_coeff`` left unset is 0.4 with an intrinsic reward and 0 without;
+``prefetch_batches``), and :class:`Derived`, what the run reads but never writes (the learner's
+device and threads, the reward model's share of wall time and whether it trains in a thread of
+its own), whether the configuration comes from the command line, a file or Python.
 
 Example:
     >>> from torchrl_oni.train.config import TrainConfig
     >>> cfg = TrainConfig(intrinsic_reward="retrieval", workers=1)
     >>> cfg.env.workers, cfg.reward.intrinsic_reward, cfg.resolved().reward.intrinsic_coeff
     (1, 'retrieval', 0.4)
+    >>> TrainConfig(device="cpu").resolved().derived.rm_time_fraction  # --rm-time-fraction's CPU default
+    0.1
     >>> TrainConfig(ranking_threshold=-1.0).reward.ranking.threshold
     -1.0
     >>> TrainConfig.from_yaml(TrainConfig(frames=2048).to_yaml()).frames
@@ -59,10 +65,11 @@ Example:
     ...
     ValueError: --lr must be at most 1, not 3
 """
-import dataclasses
+import copy
 import math
+import os
 from dataclasses import dataclass, field, make_dataclass
-from typing import Literal, Optional, Tuple
+from typing import Any, Literal, Optional, Tuple
 
 from ..config_tree import (
     check_values,
@@ -80,12 +87,12 @@ from ..annotators.prompts import GOALS
 from ..queries import RULES, SCHEDULES
 from ..run_folder import CONFIG_NAME
 from .annotator_types import annotator_names, get_annotator
+from .archs import ARCHS
 from .backends import backend_names, get_backend
-from .policy import ARCHS
 from .reward_types import model_rewards, reward_names, reward_types
 
-__all__ = ["TrainConfig", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTATORS", "GOALS", "ARCHS",
-           "QUERY_RULES", "LABEL_SCHEDULES", "intrinsic_rewards"]
+__all__ = ["TrainConfig", "Derived", "CONFIG_NAME", "PRESETS", "INTRINSIC_REWARDS", "ANNOTATORS", "GOALS",
+           "QUERY_RULES", "LABEL_SCHEDULES", "intrinsic_rewards", "resolve_device"]
 
 # choice lists are declared by the modules that implement them, read here
 ANNOTATORS = annotator_names()  # the annotators registered in train/annotator_types.py
@@ -273,7 +280,10 @@ class FeedbackConfig:
 @dataclass
 class LogConfig:
     logdir: str = setting("runs/oni", "run folder: config.yaml, metrics.csv, tensorboard/, checkpoint.pt, "
-                          "captions.pt")
+                          "captions.pt. oni-train without --logdir (or a --config naming one) makes a new folder "
+                          "for each run, this name + -YYYYmmdd-HHMMSS (-2, -3... if taken); a folder that "
+                          "already holds a run (a checkpoint.pt or a non-empty metrics.csv) is refused unless "
+                          "--resume or --overwrite says what to do with it")
     checkpoint_every: int = setting(100_000, "frames between checkpoints", parse=parse_count, at_least=1,
                                     at_most=MAX_FRAMES)
     log_every: int = setting(1, "PPO iterations between metrics rows")
@@ -283,7 +293,17 @@ class LogConfig:
     wandb: bool = setting(False, "also log to Weights & Biases")
     wandb_mode: Literal["offline", "online"] = setting("offline", "wandb: offline (files in the run folder, sync later) or online")
     resume: Optional[str] = setting(None, "continue a run: from LOGDIR/checkpoint.pt (no value) or the given "
-                                    "checkpoint file", nargs="?", const="auto", metavar="CHECKPOINT")
+                                    "checkpoint file; without --logdir: the newest run folder named LOGDIR or "
+                                    "LOGDIR-* (the one whose checkpoint was written last; the name is printed), or "
+                                    "the given checkpoint's folder", nargs="?", const="auto", metavar="CHECKPOINT",
+                                    secret=True)
+    # resume and overwrite are secret: never written to config.yaml or a checkpoint. They are
+    # orders for one start, not properties of the run: `--config RUN/config.yaml --logdir NEW` of a
+    # resumed run must start NEW (not look for a checkpoint there), and of a run started with
+    # --overwrite must not clear a folder again without being told
+    overwrite: bool = setting(False, "start over in a --logdir that already holds a run: its checkpoint, "
+                              "metrics, caption store, logs and evaluations are deleted first (other files stay)",
+                              secret=True)
 
 
 @dataclass
@@ -341,11 +361,39 @@ RewardConfig.__module__ = __name__  # pickling and get_type_hints look the class
 RewardConfig.__doc__ = "The reward PPO optimises: ext · clip(r_env) + int · count-decayed R(m)."
 
 
+@dataclass(frozen=True)
+class Derived:
+    """What a run computes from its settings (:meth:`TrainConfig.resolved`, once) and reads, but
+    never writes: ``config.yaml`` keeps ``--device auto``, so the same file run on another
+    machine derives its own.
+
+    Attributes:
+        device: the learner's ``torch.device`` (``--device auto``: CUDA where there is one); reward
+            models sit with it, never on the env workers.
+        learner_threads: torch threads of a CPU learner: the cores the local env workers leave
+            (OpenMP threads spinning beside a worker's core cost 3x); None on a GPU.
+        rm_time_fraction: the reward model's cap on the share of wall time
+            (``--rm-time-fraction``; unset: 0.1 on a CPU learner, no cap on a GPU).
+        rm_background: reward-model rounds run in a thread beside the trainer
+            (``--rm-training background``, or ``auto`` with a CUDA learner) instead of between
+            updates.
+    """
+
+    device: Any
+    learner_threads: Optional[int]
+    rm_time_fraction: float
+    rm_background: bool
+
+
 @flat_init
 @dataclass
 class TrainConfig:
     """Everything ``oni-train`` needs; build it from flat names (``TrainConfig(workers=1)``),
     sections, a YAML file (:meth:`from_yaml`) or the command line."""
+
+    # The values :meth:`resolved` derived (a :class:`Derived`); None until then. A plain attribute,
+    # not a setting: no flag, never written to config.yaml or a checkpoint.
+    derived = None
 
     frames: int = setting(300_000, "total env frames, e.g. 3e5, 300k or 2M", parse=parse_count, at_least=1,
                           at_most=MAX_FRAMES)
@@ -379,9 +427,18 @@ class TrainConfig:
         return self.log.logdir
 
     def resolved(self) -> "TrainConfig":
-        """A copy with the derived defaults filled in (what a run actually uses and records)."""
-        out = dataclasses.replace(self)
-        out.reward = dataclasses.replace(self.reward)
+        """A copy with every derived value computed: the defaults that depend on other settings
+        filled in (``intrinsic_coeff``, ``prefetch_batches``: what the run uses and records in
+        ``config.yaml``) and :attr:`derived` (:class:`Derived`). A run calls it once: ``oni-train``
+        right after parsing, ``Trainer.from_config`` for Python; the parts built from the result
+        read these values instead of deriving their own.
+
+        Settings out of range are :meth:`validate`'s to refuse, after this; the one error raised
+        here: RuntimeError, ``--device`` names no torch device (whether CUDA is there is
+        :meth:`validate`'s too).
+        """
+        out = copy.deepcopy(self)
+        device = resolve_device(self.device)
         if out.reward.intrinsic_coeff is None:
             out.reward.intrinsic_coeff = 0.0 if out.reward.intrinsic_reward == "none" else DEFAULT_INTRINSIC_COEFF
         if out.distributed.prefetch_batches is None:
@@ -389,14 +446,29 @@ class TrainConfig:
             # several batches (1 worker x 128 games, 4 batches an update: 1.04 and 1.06); on a CPU
             # learner with every core busy, the workers playing on would take the learner's cores
             # (2 x 32 games on 2 cores: 0.93 with 1 batch an update, 0.97 with 4)
-            per_update = self.frames_per_update // self.frames_per_batch
-            prefetch = per_update if per_update > 1 and _learner_on_gpu(self.device) else 0
-            out.distributed = dataclasses.replace(self.distributed, prefetch_batches=prefetch)
+            # (validate() runs after this and names an empty batch: no division by zero before it)
+            per_update = self.frames_per_update // self.frames_per_batch if self.frames_per_batch > 0 else 0
+            out.distributed.prefetch_batches = per_update if per_update > 1 and device.type == "cuda" else 0
+        rm = out.reward_model
+        # workers of a Ray cluster that is not this machine leave its cores to the learner
+        local_workers = 0 if out.distributed.ray_address else out.env.workers
+        out.derived = Derived(
+            device=device,
+            learner_threads=max(1, (os.cpu_count() or 1) - local_workers) if device.type == "cpu" else None,
+            rm_time_fraction=rm.time_fraction if rm.time_fraction is not None else (
+                0.1 if device.type == "cpu" else 0.0),
+            # the next update never waits for the reward model's steps (on a GPU node they were
+            # 73 % of the trainer's time, inline): they overlap it and the wait for batches
+            rm_background=rm.training == "background" or (rm.training == "auto" and device.type == "cuda"),
+        )
         return out
 
     def replace(self, **flat) -> "TrainConfig":
-        """A copy with flat-named settings changed: ``cfg.replace(frames=1024, lr=1e-3)``."""
-        return replace_flat(self, flat)
+        """A copy with flat-named settings changed: ``cfg.replace(frames=1024, lr=1e-3)`` (not
+        resolved: what was derived from the old settings does not carry over)."""
+        out = replace_flat(self, flat)
+        out.derived = None
+        return out
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
@@ -472,6 +544,8 @@ class TrainConfig:
             (rm.surf_lambda >= 0, "--rm-surf-lambda must be non-negative"),
             (rm.rune_beta >= 0, "--rm-rune-beta must be non-negative (0: RUNE off)"),
             (0 <= rm.rune_decay < 1, "--rm-rune-decay must be in [0, 1)"),
+            (not self.device.startswith("cuda") or _cuda_available(),
+             f"--device {self.device}: CUDA is not available on this machine"),
         ]
         for ok, message in checks:
             if not ok:
@@ -573,14 +647,18 @@ def _has_cxx() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def resolve_device(name: str) -> "torch.device":
-    """The torch device ``--device`` names (``auto``: CUDA where there is one); a one-line error
-    for a CUDA device on a machine without one."""
+    """The torch device ``--device`` names (``auto``: CUDA where there is one); RuntimeError for a
+    name torch does not know. Whether a named CUDA device is there is :meth:`TrainConfig.validate`'s
+    to say, in one sentence."""
     import torch  # here, not at the top: reading the configuration (``--help``) loads no torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
-    return device
+    return torch.device(name)

@@ -1,8 +1,9 @@
 """Where the env workers run: local processes or Ray actors on any node, behind one collector.
 
-:func:`make_collector` returns the collector :class:`~torchrl_oni.train.ppo.Trainer` iterates,
-for one of the backends registered by name in :mod:`torchrl_oni.train.backends`; the two built in
-are made here:
+The collectors :class:`~torchrl_oni.train.ppo.Trainer` iterates, for the two backends built in
+(registered by name in :mod:`torchrl_oni.train.backends`, whose
+:func:`~torchrl_oni.train.backends.make_collector` builds one; this module knows nothing of that
+registry):
 
 * ``"local"``: TorchRL's ``MultiAsyncCollector``, one process per env factory on this machine;
 * ``"ray"``: TorchRL's ``RayCollector`` (``torchrl.collectors.distributed``), one Ray actor per env
@@ -61,7 +62,7 @@ Example:
     >>> from torchrl_oni.train.config import TrainConfig
     >>> from torchrl_oni.train.policy import make_actor_critic
     >>> from torchrl_oni.train.env_factory import make_env_factory
-    >>> from torchrl_oni.train.distributed import make_collector
+    >>> from torchrl_oni.train.backends import make_collector
     >>> cfg = TrainConfig(workers=1, envs_per_worker=2, rollout=8)
     >>> actor, _ = make_actor_critic(NLEBatchEnv("score", num_envs=1, seed=0))
     >>> collector = make_collector("local", [make_env_factory(cfg, 0)], actor,
@@ -91,7 +92,6 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -100,20 +100,16 @@ from torchrl.collectors import Collector, MultiAsyncCollector
 from torchrl.collectors.distributed import RayCollector
 from torchrl.weight_update import WeightSyncScheme
 
-from .backends import get_backend
-
 __all__ = [
     "ObjectStoreWeightSyncScheme",
     "RayEnvCollector",
     "LocalEnvCollector",
     "ServedPolicyCollector",
-    "check_backend",
     "check_ray",
     "closed_ray_instance",
     "cluster_requires_auth",
     "make_local_collector",
     "make_ray_collector",
-    "make_collector",
     "ray_init_kwargs",
 ]
 
@@ -121,20 +117,6 @@ log = logging.getLogger("torchrl_oni.train")
 
 DEFAULT_OBJECT_STORE_MEMORY = 200 * 2**20  # bytes; batches are a few MB, weights under 1 MB
 _ADDRESS = re.compile(r"^(auto|[^\s:/]+:\d{1,5})$")
-
-
-def check_backend(backend: str, ray_address: Optional[str] = None) -> None:
-    """Raises ``ValueError`` with one sentence if the backend cannot be used here (the registered
-    backend's own check, :mod:`torchrl_oni.train.backends`).
-
-    Example:
-        >>> check_backend("local")
-        >>> check_backend("ray", "head-node")
-        Traceback (most recent call last):
-        ...
-        ValueError: --ray-address 'head-node': expected auto or HOST:PORT
-    """
-    get_backend(backend).check(SimpleNamespace(backend=backend, ray_address=ray_address))
 
 
 def check_ray(ray_address: Optional[str]) -> None:
@@ -502,7 +484,7 @@ def _short(err: BaseException) -> str:
 class RayEnvCollector(RayCollector):
     """TorchRL's ``RayCollector`` that prefetches, counts delivered frames and outlives dead actors.
 
-    Built by :func:`make_collector`; the keyword arguments are ``RayCollector``'s plus
+    Built by :func:`~torchrl_oni.train.backends.make_collector`; the keyword arguments are ``RayCollector``'s plus
     ``worker_timeout`` (seconds without any batch before the run fails) and ``retry_backoff``
     (first and longest wait between two requests to a worker that Ray is restarting).
 
@@ -717,7 +699,16 @@ class LocalEnvCollector(MultiAsyncCollector):
     def shutdown(self, *args, **kwargs):
         # the thread sends "continue" on the workers' pipes: it must be gone before "close" is sent
         self._stop_prefetch()
-        return super().shutdown(*args, **kwargs)
+        schemes = dict(getattr(self, "_weight_sync_schemes", None) or {})
+        try:
+            return super().shutdown(*args, **kwargs)
+        finally:
+            # TorchRL drops its schemes without shutting them down; one left to the garbage
+            # collector at interpreter exit puts on a multiprocessing queue there, whose feeder
+            # thread can no longer start: the process never exits
+            for scheme in schemes.values():
+                with contextlib.suppress(Exception):
+                    scheme.shutdown()
 
 
 class ServedPolicyCollector(LocalEnvCollector):
@@ -731,72 +722,22 @@ class ServedPolicyCollector(LocalEnvCollector):
         return None
 
 
-# ---------------------------------------------------------------------------------- builder
-def make_collector(
-    backend: str,
-    env_factories: Sequence[Callable],
-    policy: torch.nn.Module,
-    frames_per_batch: int,
-    total_frames: int,
-    ray_address: Optional[str] = None,
-    *,
-    num_cpus_per_actor: float = 1.0,
-    max_restarts: int = 3,
-    object_store_memory: int = DEFAULT_OBJECT_STORE_MEMORY,
-    worker_timeout: float = 600.0,
-    worker_policies: Optional[Sequence[torch.nn.Module]] = None,
-    exploration_type=None,
-):
-    """The trainer's collector: one env worker per factory, here or on a Ray cluster.
-
-    Args:
-        backend: ``"local"`` (``MultiAsyncCollector``, one process per factory) or ``"ray"`` (one
-            Ray actor per factory, anywhere in the cluster).
-        env_factories: picklable callables returning a batched env of K games (one per worker).
-        policy: the acting policy (a CPU module); with ``"ray"`` only its architecture travels,
-            its weights are the first update; unused with ``worker_policies``.
-        frames_per_batch: frames of one worker's batch (K × rollout).
-        total_frames: the iterator stops after this many frames.
-        ray_address: ``None`` starts a Ray instance on this machine for the run (stopped by
-            ``shutdown``); ``"auto"`` or ``"HOST:PORT"`` joins a running cluster.
-        num_cpus_per_actor: CPUs Ray reserves for each env actor (1: one NetHack process per core).
-        max_restarts: how many times Ray restarts a dead env actor.
-        object_store_memory: bytes of object store of a Ray instance started for the run.
-        worker_timeout: seconds without any batch before the run fails (every worker dead or
-            unplaceable).
-        worker_policies: one policy per factory, used by that worker instead of a copy of
-            ``policy`` (``"local"`` only): :meth:`PolicyServer.worker_policies()
-            <torchrl_oni.train.acting.PolicyServer.worker_policies>`, whose server acts for all
-            workers on the learner's device. The weights then live on the server: update them
-            with ``server.update_weights``; the collector's ``update_policy_weights_`` does
-            nothing (it may still be called).
-        exploration_type: the workers' interaction type (``None``: TorchRL's default, RANDOM);
-            ``ExplorationType.DETERMINISTIC`` acts greedily (``"local"`` only).
-
-    Returns:
-        ``MultiAsyncCollector`` or :class:`RayEnvCollector`: iterate it, call
-        ``update_policy_weights_(weights)`` after each update, ``shutdown()`` at the end.
-    """
-    dist = SimpleNamespace(backend=backend, ray_address=ray_address, ray_num_cpus_per_actor=num_cpus_per_actor,
-                           ray_max_restarts=max_restarts, object_store_memory=object_store_memory,
-                           worker_timeout=worker_timeout)
-    chosen = get_backend(backend)
-    chosen.check(dist)
-    return chosen.make(env_factories, policy, frames_per_batch=frames_per_batch, total_frames=total_frames, dist=dist,
-                       worker_policies=worker_policies, exploration_type=exploration_type)
-
-
 def make_local_collector(env_factories: Sequence[Callable], policy: torch.nn.Module, *, frames_per_batch: int,
                          total_frames: int, worker_policies=None, exploration_type=None, prefetch: int = 0):
     """The ``local`` backend: ``MultiAsyncCollector`` (:class:`LocalEnvCollector`), one process per
     factory on this machine (:class:`ServedPolicyCollector` when the workers act through a policy
     server); ``prefetch``: batches taken from the workers ahead of the trainer
     (:attr:`LocalEnvCollector.prefetch`)."""
+    import multiprocessing
+
     from torchrl.weight_update import SharedMemWeightSyncScheme
 
     from ..spawn_check import check_main_guard
 
-    check_main_guard()  # a script without a __main__ guard would hang TorchRL's collector start
+    # a script without a __main__ guard would hang TorchRL's collector start, under the start method
+    # TorchRL will use: the one the user set (a script may choose "fork", which re-imports nothing,
+    # as the tutorials do), else "spawn"
+    check_main_guard(multiprocessing.get_start_method(allow_none=True) or "spawn")
     common = dict(frames_per_batch=frames_per_batch, total_frames=total_frames, device="cpu",
                   storing_device="cpu", split_trajs=False, num_sub_threads=1)
     if exploration_type is not None:

@@ -1,9 +1,11 @@
-"""Builds the trainer hooks that produce ``("next", "intrinsic_reward")`` for ``--intrinsic-reward``.
+"""The trainer hook that produces ``("next", "intrinsic_reward")`` for ``--intrinsic-reward``.
 
 One :class:`IntrinsicRewardHook` owns the reward pipeline of a run, all of it in the trainer
 process (the collector's env workers only play); the labelling side (caption store, annotator or
 LLM server, annotation worker, label budgets, the labelling page, their numbers and alarms) is
-the :class:`~torchrl_oni.train.labelling.Labelling` it holds:
+the :class:`~torchrl_oni.train.labelling.Labelling` it holds. The hook is assembled from parts
+built elsewhere (:func:`~torchrl_oni.train.build.build_intrinsic_hook`, from the configuration)
+and runs at the trainer's stages (:mod:`torchrl_oni.train.hooks`):
 
 * on each update's batch (``on_batch``; the workers' batches gathered for it): the labelling's
   turn (screens, new captions to the annotator in the background), the reward type's own step
@@ -58,30 +60,12 @@ from ..atomic import atomic_write
 from ..captions import (CAPTION_HASH_KEY, INTRINSIC_REWARD_KEY, MESSAGE_KEY, MESSAGE_LEN, RUN_COUNT_KEY,
                         decode_message)
 from ..rewards.scaling import RunMessageCounts
-from ..reward_hacking import REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
-from ..run_folder import CAPTION_STORE_NAME, TOP_MESSAGES_NAME
+from ..reward_hacking import APPROVED_WINDOW, REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
+from ..run_folder import TOP_MESSAGES_NAME
 from .background_rounds import BackgroundRounds
-from .config import TrainConfig, resolve_device
-from .labelling import Labelling
+from .hooks import TrainHook
 
-# Kept for one release: the labelling service moved to torchrl_oni.train.labelling; these names
-# are still importable from here (tests, benchmarks and scripts import them from this module).
-from .labelling import (  # noqa: F401
-    ALERT_EVERY_S,
-    COVERAGE_GRACE_S,
-    EMPTY_CAPTION_HASH,
-    FINAL_COVERAGE_WARNING,
-    JUDGE_MIN_LABELS,
-    JUDGE_POSITIVE_ALARM,
-    LOW_COVERAGE,
-    _ask_then_close,
-    _check_llm,
-    check_judge,
-    make_annotator,
-    start_llm,
-)
-
-__all__ = ["build_intrinsic_hooks", "IntrinsicRewardHook", "TOP_MESSAGES_NAME", "CAPTION_STORE_NAME"]
+__all__ = ["IntrinsicRewardHook"]
 
 log = logging.getLogger("torchrl_oni.train")
 
@@ -93,112 +77,72 @@ CHANCE_BALANCED_ACCURACY = 0.55
 # top_messages.txt is for a person watching the run: rewritten (atomically, two fsyncs) at most
 # this often and at the run's end, not after every update (3-5 ms an update on the 2-core VM)
 TOP_MESSAGES_EVERY_S = 10.0
+# An intrinsic reward that has paid under LOW_PAID_SHARE of the run's steps once PAID_MIN_LABELS
+# captions are labelled, and whose agent does not meet more approved captions per episode than at
+# the start (RISING), does nothing a person would call ONI: said like a judge that approves nothing
+LOW_PAID_SHARE = 0.005
+PAID_MIN_LABELS = 300
+RISING = 1.2
 
 
-def _labelling_attribute(name: str, doc: str) -> property:
-    """The hook's ``name`` read from (and written to) its :class:`Labelling` ``hook.labelling.<name>``."""
-    return property(lambda self: getattr(self.labelling, name),
-                    lambda self, value: setattr(self.labelling, name, value), doc=doc)
-
-
-class IntrinsicRewardHook:
-    """The trainer hook of one intrinsic reward type (see the module docstring).
+class IntrinsicRewardHook(TrainHook):
+    """The trainer hook of one intrinsic reward type (see the module docstring), assembled from
+    parts already built: :func:`~torchrl_oni.train.build.build_intrinsic_hook` builds them from
+    the configuration and hands them over; nothing here reads a configuration.
 
     Args:
-        cfg: the run's :class:`TrainConfig` (``intrinsic_reward`` other than ``none``).
-
-    Raises:
-        ValueError / RuntimeError: one-line reasons (dead LLM server, unknown model, missing
-            reward-model checkpoint...), which ``oni-train`` prints and exits 2 on.
+        spec: the reward type's registry entry (:class:`~torchrl_oni.train.reward_types.RewardType`).
+        labelling: the run's :class:`~torchrl_oni.train.labelling.Labelling`, open and started;
+            the hook closes it.
+        parts: what the reward type built (:class:`~torchrl_oni.train.reward_types.RewardParts`).
+        run_dir: the run folder (``top_messages.txt``, ``reward_hacking.json``).
+        message: which observation's message pays (``--reward-message``: ``acted`` or ``next``).
+        count_exponent: beta of the count decay ``R(m) · count^-beta`` (``--count-exponent``).
+        count_scope: what the count counts (``--count-scope``: ``episode`` or ``run``).
+        rm_background: reward-model rounds run in a thread of their own instead of between
+            updates (:attr:`~torchrl_oni.train.config.Derived.rm_background`).
     """
 
     name = "intrinsic"
+    stages = ("batch", "post_update", "metrics", "alert", "bar", "summary", "final_warnings", "state", "close")
 
-    # the labelling side, read through the hook as before
-    store = _labelling_attribute("store", "the run's CaptionStore (types labelled by an annotator), or None")
-    store_path = _labelling_attribute("store_path", "where the caption store is saved, or None")
-    server = _labelling_attribute("server", "the embedded LLM server this run started, or None")
-    annotation = _labelling_attribute("annotation", "the LLMAnnotationTransform, or None")
-    claim = _labelling_attribute("claim", "the SelectiveClaim of a label budget or query rule, or None")
-    feedback = _labelling_attribute("feedback", "the labelling page (--human-feedback), or None")
-    snapshots = _labelling_attribute("snapshots", "the screens kept for the labelling page, or None")
-    judge = _labelling_attribute("judge", "the calibration probe's report (LLM judges of captions), or None")
-    _started = _labelling_attribute("started", "monotonic time the run started (alerts' grace)")
-    _last_alert = _labelling_attribute("last_alert", "monotonic time of the last alert")
-
-    def __init__(self, cfg: TrainConfig):
-        from ..rewards.training import RewardModelSchedule
-        from .reward_types import RewardContext, reward_types
+    def __init__(self, spec, labelling, parts, *, run_dir: str, message: str = "acted", count_exponent: float = 3.0,
+                 count_scope: str = "episode", rm_background: bool = False):
         from ..transforms import IntrinsicRewardTransform
 
-        cfg = cfg.resolved()
-        if cfg.reward.intrinsic_reward == "none":
-            raise ValueError("IntrinsicRewardHook needs an --intrinsic-reward other than 'none'")
-        self.cfg = cfg
-        self.kind = cfg.reward.intrinsic_reward
-        self.spec = reward_types()[self.kind]
-        self.run_dir = cfg.log.logdir
-        self.labelling = Labelling(cfg, self.spec)
-        self.parts = None
-        self.after_reward = None  # the reward type's own batch step (RUNE's bonus), or None
+        self.spec = spec
+        self.kind = spec.name
+        self.run_dir = run_dir
+        self.labelling = labelling
+        self.parts = parts
+        self.reward = parts.reward
+        self.rm_trainer = parts.trainer
+        self.after_reward = parts.after_reward  # the reward type's own batch step (RUNE's bonus), or None
         self.heldout: Dict[str, float] = {}
         self.rm_last: Dict[str, float] = {}
         self._window = _RewardWindow()
         self._clock = time.monotonic
         self._top_written_at = -float("inf")  # the first metrics row writes top_messages.txt
         self.hacking = _HackingWatch()
-        self.rm_rounds: Optional[BackgroundRounds] = None  # the reward model's thread (--rm-training background)
+        self._paid_said = False
         self._closed = False
-        try:
-            device = resolve_device(cfg.device)  # reward models sit with the learner, never on env workers
-            self.labelling.open()  # first: a dead server fails fast
-            rm = cfg.reward_model
-            fraction = rm.time_fraction
-            if fraction is None:
-                fraction = 0.1 if device.type == "cpu" else 0.0
-            schedule = RewardModelSchedule(rm.steps_per_labels, rm.switch_at, rm.steps_per_iteration,
-                                           time_fraction=fraction)
-            settings = getattr(cfg.reward, self.kind.replace("-", "_"), None) if self.spec.settings else None
-            self.parts = self.spec.build(RewardContext(cfg=cfg, settings=settings, store=self.store, device=device,
-                                                       schedule=schedule, annotator=self.labelling.annotator,
-                                                       llm=self.labelling.llm, wake_annotator=self.labelling.wake))
-            self.reward = self.parts.reward
-            self.rm_trainer = self.parts.trainer
-            self.after_reward = self.parts.after_reward
-            self.labelling.start_worker(self.reward)
-            self.labelling.start_page(self.reward)
-            background = rm.training == "background" or (rm.training == "auto" and device.type == "cuda")
-            if self.rm_trainer is not None and background:
-                # the next update never waits for the reward model's steps (on a GPU node they were
-                # 73 % of the trainer's time, inline): they overlap it and the wait for batches
-                self.rm_rounds = BackgroundRounds(self._reward_model_round, name="reward-model training")
-        except BaseException:
-            self.close(save=False)  # a run that never started must not write a store
-            raise
         # a type without a reward function writes ("next", "intrinsic_reward") in its own on_batch (ELLM)
         self.transform = None if self.reward is None else IntrinsicRewardTransform(
-            self.reward, message=cfg.reward.reward_message, beta=cfg.reward.count_exponent,
-            normalize=self.parts.normalize, threshold=self.parts.threshold)
+            self.reward, message=message, beta=count_exponent, normalize=parts.normalize, threshold=parts.threshold)
         # --count-scope run: the decay reads the run's sightings (written into the batch) for msg_count
         self.run_counts = None
-        if self.transform is not None and cfg.reward.count_scope == "run":
+        if self.transform is not None and count_scope == "run":
             self.run_counts = RunMessageCounts()
             self.transform.set_keys(msg_count=RUN_COUNT_KEY)
-
-    @property
-    def rune(self):
-        """Kept for one release: RUNE's batch step (``.reward.beta``), now the reward type's
-        ``after_reward`` (:mod:`torchrl_oni.train.reward_types._rune`), or None."""
-        step = self.after_reward
-        return step if getattr(step, "name", None) == "rune" else None
+        self.rm_rounds: Optional[BackgroundRounds] = None  # the reward model's thread (--rm-training background)
+        if self.rm_trainer is not None and rm_background:
+            # the next update never waits for the reward model's steps: they overlap it and the
+            # wait for batches
+            self.rm_rounds = BackgroundRounds(self._reward_model_round, name="reward-model training")
 
     def env_transforms(self) -> list:
         """Transforms every env worker applies (observations the policy needs at acting time)."""
-        return list(self.parts.env_transforms) if self.parts is not None else []
-
-    def save_store(self) -> Optional[str]:
-        """Writes the caption store and the page's screens (see :meth:`Labelling.save_store`)."""
-        return self.labelling.save_store()
+        return list(self.parts.env_transforms)
 
     # ------------------------------------------------------------------ TrainHook API
     def on_batch(self, batch: TensorDictBase, trainer=None) -> TensorDictBase:
@@ -220,7 +164,7 @@ class IntrinsicRewardHook:
     def _write_run_counts(self, batch: TensorDictBase) -> None:
         """Writes :data:`RUN_COUNT_KEY` beside the paying message: its sightings in the run so far,
         counted in time order (a batch is ``[games, time]``: all games' step t before step t + 1)."""
-        source = batch if self.cfg.reward.reward_message == "acted" else batch.get("next")
+        source = batch if self.transform.message == "acted" else batch.get("next")
         hashes = source.get(self.transform.hash_key)
         time_major = hashes.transpose(0, 1) if batch.batch_dims >= 2 else hashes
         counts = self.run_counts.count(time_major.contiguous())
@@ -277,19 +221,54 @@ class IntrinsicRewardHook:
 
     # ------------------------------------------------------------------ saying it loudly
     def alert(self, metrics: Dict[str, float]) -> Optional[str]:
-        """A warning line, at most once a minute, while label coverage stays near zero after
-        the first minute (with the cause), else None. The trainer prints it above its progress bar."""
-        return self.labelling.alert(metrics)
+        """The warning lines of this update (labelling's health, the judge, coverage, a reward that
+        pays almost nothing), joined, or None. The trainer prints them above its progress bar."""
+        lines = self.labelling.alerts(metrics)
+        paid = self._paid_problem(metrics)
+        if paid and not self._paid_said:
+            self._paid_said = True
+            lines.append(paid)
+        return "\n".join(lines) if lines else None
 
-    def _judge_problem(self, metrics: Dict[str, float]) -> Optional[str]:
-        """The probe's verdict, or the positive rate of this run's labels when it pays most steps."""
-        return self.labelling.judge_problem(metrics)
+    def bar_fields(self, metrics: Dict[str, float]) -> List[str]:
+        """The progress bar's words on labelling (coverages, queue, rate, server state)."""
+        return self.labelling.bar_fields(metrics)
+
+    def _paid_problem(self, metrics: Dict[str, float]) -> Optional[str]:
+        """A reward that pays under LOW_PAID_SHARE of the steps while the agent does not find more
+        of what it pays (see the constants), once enough captions are labelled; else None."""
+        share = self._window.run_share()
+        if share is None or share >= LOW_PAID_SHARE or not self.spec.labels:
+            return None
+        if metrics.get("labels/labelled", 0) < PAID_MIN_LABELS:
+            return None
+        trend = self.hacking.tally.approved_per_episode()
+        if trend is not None and trend[1] >= RISING * max(trend[0], 1e-9):
+            return None  # rare payments, but the agent finds more of them: ONI at work
+        approved = int(round(metrics.get("labels/positive_fraction", 0.0) * metrics.get("labels/labelled", 0)))
+        seen = "" if trend is None else (f"; approved captions per episode {trend[0]:.2f} at the start, "
+                                         f"{trend[1]:.2f} now")
+        return (f"the intrinsic reward paid only {share:.2%} of the steps so far ({approved:,} of "
+                f"{int(metrics.get('labels/labelled', 0)):,} labelled captions approved){seen}: ONI's signal is too "
+                f"rare to steer the agent; check top_messages.txt, the judge (--check-judge) or --llm-prompt")
+
+    def summary_lines(self, metrics: Dict[str, float]) -> List[str]:
+        """Plain lines for the run's summary: ONI's signal (approved captions per episode at the
+        start against now, the share of steps paid) and the labelling's health."""
+        lines = []
+        trend = self.hacking.tally.approved_per_episode()
+        if trend is not None:
+            lines.append(f"approved captions per episode: {trend[0]:.2f} in the first {APPROVED_WINDOW} episodes, "
+                         f"{trend[1]:.2f} in the last {APPROVED_WINDOW}")
+        return lines + self.labelling.summary_lines(metrics)
 
     def final_warnings(self, metrics: Dict[str, float]) -> List[str]:
         """Lines the run's summary must show when ONI did (almost) nothing: labels that never
         came, or a learned reward whose model never left chance."""
-        return (self.labelling.final_warnings(metrics) + self._reward_model_warnings(metrics)
-                + self.hacking.final_warnings(self.run_dir, self.store_path))
+        paid = self._paid_problem(metrics)
+        return (self.labelling.final_warnings(metrics) + ([paid] if paid else [])
+                + self._reward_model_warnings(metrics)
+                + self.hacking.final_warnings(self.run_dir, self.labelling.store_path))
 
     def _reward_model_warnings(self, metrics: Dict[str, float]) -> List[str]:
         if self.rm_trainer is None or "reward_model/steps" not in metrics:
@@ -314,8 +293,8 @@ class IntrinsicRewardHook:
         if self.rm_trainer is not None:
             objects["rm_trainer"] = self.rm_trainer
             objects["rm_schedule"] = self.rm_trainer.schedule
-        if self.claim is not None:
-            objects["claim"] = self.claim  # the label budget spent
+        if self.labelling.claim is not None:
+            objects["claim"] = self.labelling.claim  # the label budget spent
         if self.after_reward is not None:
             objects[self.after_reward.name] = self.after_reward  # RUNE: the bonus's decay
         objects["hacking"] = self.hacking.tally  # the diagnostics' counts go on after --resume
@@ -328,7 +307,7 @@ class IntrinsicRewardHook:
         # a reward model mid-step is not a state to save; the trainers' state_dict() copies their
         # tensors, so the thread's next steps after the pause leave the checkpoint alone
         with self._rounds_paused():
-            state = {"kind": self.kind, "store_path": self.save_store()}
+            state = {"kind": self.kind, "store_path": self.labelling.save_store()}
             if self.transform is not None:
                 state["transform"] = self.transform.state_dict()
             for name, obj in self._stateful().items():
@@ -350,7 +329,9 @@ class IntrinsicRewardHook:
         return self.rm_rounds.paused() if self.rm_rounds is not None else contextlib.nullcontext()
 
     def close(self, save: bool = True) -> None:
-        """Stops the annotation worker and the embedded server; saves the store. Idempotent."""
+        """Stops the reward model's thread, the reward type's own workers and the labelling
+        (page, annotation worker, embedded server); saves the store unless ``save=False``.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -360,14 +341,10 @@ class IntrinsicRewardHook:
                     self.rm_rounds.close()  # the round under way ends first: the store is saved after it
                 except RuntimeError as err:  # the last round failed: say so, still save what was labelled
                     log.error("%s", err)
-            self.labelling.stop_page()  # first: answers given until now land in the saved store
-            if self.parts is not None and self.parts.close is not None:
-                self.parts.close()
-            self.labelling.stop_worker()
-            if save:
-                self.save_store()
+            if self.parts.close is not None:
+                self.parts.close()  # ELLM's goal requests, before the server they go to stops
         finally:
-            self.labelling.stop_server()
+            self.labelling.close(save=save)
 
 
 class _HackingWatch:
@@ -431,7 +408,11 @@ class _HackingWatch:
         report = self._report()
         if report is None:
             return {}
-        return {"hacking/episodes": float(report["episodes"]), "hacking/deaths": float(report["deaths"]),
+        out = {}
+        trend = self.tally.approved_per_episode()
+        if trend is not None:
+            out = {"intrinsic/approved_per_episode_first": trend[0], "intrinsic/approved_per_episode_last": trend[1]}
+        return {**out, "hacking/episodes": float(report["episodes"]), "hacking/deaths": float(report["deaths"]),
                 "hacking/paid_captions": float(report["paid_captions"]),
                 "hacking/flagged_captions": float(len(report["flagged"]))}
 
@@ -466,6 +447,8 @@ class _RewardWindow:
 
         self.top = top
         self.recent = collections.deque(maxlen=batches)  # per batch: {hash: [paid, steps, R, bytes]}
+        self.run_steps = 0  # over the whole run (this process), never reset
+        self.run_rewarded = 0
         self.reset()
 
     def reset(self) -> None:
@@ -482,6 +465,8 @@ class _RewardWindow:
         self.total += float(value.sum())
         paid = value != 0
         self.rewarded += int(paid.sum())
+        self.run_steps += value.numel()
+        self.run_rewarded += int(paid.sum())
         by_hash: Dict[int, list] = {}
         self.recent.append(by_hash)
         if not bool(paid.any()):
@@ -508,10 +493,15 @@ class _RewardWindow:
                 entry[2] = raw  # the latest R(m): rewards change as models train
         return out
 
+    def run_share(self) -> Optional[float]:
+        """Share of the run's steps (since this process started) paid a non-zero reward."""
+        return self.run_rewarded / self.run_steps if self.run_steps else None
+
     def metrics(self) -> Dict[str, float]:
         if not self.steps:
             return {}
-        return {"intrinsic/mean": self.total / self.steps, "intrinsic/rewarded_fraction": self.rewarded / self.steps}
+        return {"intrinsic/mean": self.total / self.steps, "intrinsic/rewarded_fraction": self.rewarded / self.steps,
+                "intrinsic/rewarded_fraction_run": self.run_rewarded / max(self.run_steps, 1)}
 
     def write_top(self, path: str, kind: str) -> None:
         merged = self.merged()
@@ -528,16 +518,3 @@ class _RewardWindow:
             atomic_write(path, lambda f: f.write(text))
         except OSError as err:  # logging must never stop training
             log.warning("cannot write %s: %s", path, err)
-
-
-def build_intrinsic_hooks(cfg: TrainConfig) -> List:
-    """Hooks for ``cfg.reward.intrinsic_reward``; ``none`` needs none.
-
-    Example:
-        >>> from torchrl_oni.train import TrainConfig
-        >>> build_intrinsic_hooks(TrainConfig())
-        []
-    """
-    if cfg.reward.intrinsic_reward == "none":
-        return []
-    return [IntrinsicRewardHook(cfg)]

@@ -1,8 +1,10 @@
 """The labelling side of an intrinsic-reward run: who labels captions, where labels are kept,
 which captions are bought, and the page people label on.
 
-One :class:`Labelling` per run, held by :class:`~torchrl_oni.train.intrinsic.IntrinsicRewardHook`
-(the reward pipeline), all of it in the trainer process:
+One :class:`Labelling` per run, built by :func:`~torchrl_oni.train.build.build_run` from the
+``annotation`` and ``feedback`` sections and held by
+:class:`~torchrl_oni.train.intrinsic.IntrinsicRewardHook` (the reward pipeline), all of it in the
+trainer process:
 
 * a :class:`~torchrl_oni.store.CaptionStore`, loaded from ``--caption-store`` (default
   ``<logdir>/captions.pt``) when the file exists and saved at every checkpoint and at exit, so
@@ -49,20 +51,23 @@ import torch
 from tensordict import TensorDictBase
 
 from ..captions import caption_hash
-from ..run_folder import CAPTION_STORE_NAME
-from .annotator_types import _ask_then_close, _check_llm, get_annotator, start_llm  # noqa: F401
+from .annotator_types import _ask_then_close, get_annotator, start_llm
+from .labelling_health import LabellingHealth
 
-__all__ = ["Labelling", "start_llm", "make_annotator", "check_judge", "CAPTION_STORE_NAME"]
+__all__ = ["Labelling", "make_annotator", "check_judge"]
 
 log = logging.getLogger("torchrl_oni.train")
 
-# Warn while fewer than LOW_COVERAGE of the steps have a labelled caption, after the first
-# COVERAGE_GRACE_S (the LLM needs a moment), at most every ALERT_EVERY_S; the final summary
-# warns below FINAL_COVERAGE_WARNING.
+# Warn while fewer than LOW_COVERAGE of the steps have a labelled caption, COVERAGE_GRACE_S
+# after training started (the first update: the server answered by then, so its start-up is not
+# counted), at most every ALERT_EVERY_S; the final summary warns below FINAL_COVERAGE_WARNING.
 LOW_COVERAGE = 0.05
 # While the run goes on: a judge that has approved at least JUDGE_POSITIVE_ALARM of at least
-# JUDGE_MIN_LABELS captions pays most steps (ONI's LLM approved ~10-20 %; a mis-prompted one 93 %)
+# JUDGE_MIN_LABELS captions pays most steps (ONI's LLM approved ~10-20 %; a mis-prompted one 93 %);
+# one that approved at most JUDGE_NEGATIVE_ALARM of them pays almost nothing (a short-prompted
+# 0.5B model approved 1 of 48): either way the reward is not ONI's
 JUDGE_POSITIVE_ALARM = 0.5
+JUDGE_NEGATIVE_ALARM = 0.02
 JUDGE_MIN_LABELS = 200
 EMPTY_CAPTION_HASH = caption_hash(b"")
 COVERAGE_GRACE_S = 60.0
@@ -70,17 +75,14 @@ ALERT_EVERY_S = 60.0
 FINAL_COVERAGE_WARNING = 0.5
 
 
-def make_annotator(ann, *, seed: Optional[int] = None):
-    """``(annotator, server_handle or None)`` for the ``annotation`` section ``ann`` (or, as
-    before, the whole tree, whose seed is then used), checked to answer.
+def make_annotator(ann, *, seed: int = 0):
+    """``(annotator, server_handle or None)`` for the ``annotation`` section ``ann``, checked to
+    answer; ``seed``: the run's (a simulated teacher's noise).
 
     Built by the ``--annotator`` entry of the registry (:mod:`torchrl_oni.train.annotator_types`):
     rules (``scripted``), a simulated noisy teacher (``teacher``), or an LLM (``llm``:
     :func:`start_llm`, a pool of ``--llm-url`` servers or the embedded CPU server).
     """
-    if seed is None:
-        seed = getattr(ann, "seed", 0)  # the whole tree (the call form kept for one release) has the run's
-    ann = getattr(ann, "annotation", ann)
     return get_annotator(ann.annotator).build(ann, seed=seed)
 
 
@@ -101,22 +103,32 @@ class Labelling:
     """The labelling service of one intrinsic reward type (see the module docstring).
 
     Started in two steps around the reward's construction: :meth:`open` (annotator or LLM
-    endpoint, judge probe, caption store) before it, :meth:`start_worker` (label claims, the
-    annotation worker) and :meth:`start_page` (the labelling page) after, since budgets by
-    disagreement and the page's order read the reward model.
+    endpoint, judge probe, caption store) before it, :meth:`start` (label claims, the annotation
+    worker, the labelling page) after, since budgets by disagreement and the page's order read
+    the reward model; :meth:`close` stops it all.
 
     Args:
-        cfg: the run's resolved :class:`~torchrl_oni.train.config.TrainConfig`.
+        ann: the ``annotation`` section (:class:`~torchrl_oni.train.config.AnnotationConfig`).
+        feedback: the ``feedback`` section (the labelling page).
         spec: the reward type's registry entry (:class:`~torchrl_oni.train.reward_types.RewardType`).
+        store_path: where the caption store is loaded from and saved (``--caption-store``, or the
+            run folder's ``captions.pt``).
+        seed: the run's seed (a simulated teacher's noise, the query rules' draws).
+        total_frames: the run's frames (a label budget's schedule).
     """
 
-    def __init__(self, cfg, spec):
-        self.cfg = cfg
+    def __init__(self, ann, feedback, spec, *, store_path: str, seed: int = 0, total_frames: int):
+        self.ann_cfg = ann
+        self.feedback_cfg = feedback
         self.spec = spec
         self.kind = spec.name
-        self.run_dir = cfg.log.logdir
+        self.seed = seed
+        self.total_frames = total_frames
+        # an annotator that answers (not ``store``): labels are expected to keep coming
+        self.watched = get_annotator(ann.annotator).answers
         self.store = None
-        self.store_path: Optional[str] = None
+        self._store_file = store_path
+        self.store_path: Optional[str] = None  # set once the store is open (types labelled by an annotator)
         self.server = None
         self.annotator = None  # handed to the reward type and to the annotation worker
         self.llm = None  # an LLMEndpoint for types that ask an LLM themselves (ELLM)
@@ -125,7 +137,9 @@ class Labelling:
         self.feedback = None
         self.snapshots = None
         self.frames = 0
-        self.started = self.last_alert = time.monotonic()
+        self.started: Optional[float] = None  # the first update: see COVERAGE_GRACE_S
+        self.last_alert = float("-inf")
+        self.health = LabellingHealth()
         self.final_health: Optional[str] = None
         self.judge = None  # the calibration probe's report (LLM judges of captions)
         self.judge_said = False
@@ -134,38 +148,39 @@ class Labelling:
     def open(self) -> None:
         """The annotator (first: a dead server fails fast), the judge probe and the caption
         store; or the LLM endpoint of a type that sends requests of its own."""
-        cfg = self.cfg
-        entry = get_annotator(cfg.annotation.annotator)
+        ann = self.ann_cfg
+        entry = get_annotator(ann.annotator)
         if self.spec.needs_annotator:
-            self.annotator, self.server = make_annotator(cfg.annotation, seed=cfg.seed)
+            self.annotator, self.server = make_annotator(ann, seed=self.seed)
             if self.spec.labels and entry.judged:
-                self.judge = check_judge(self.annotator, cfg.annotation.goal)  # before its first real label
+                self.judge = check_judge(self.annotator, ann.goal)  # before its first real label
                 if self.judge is not None:
                     problem = self.judge.problem()
                     (log.warning if problem else log.info)("%s%s", self.judge.summary(),
                                                            f"\n!! {problem}" if problem else "")
             self._open_store()
         elif self.spec.llm and entry.llm:
-            self.llm, self.server = start_llm(cfg.annotation)
+            self.llm, self.server = start_llm(ann)
 
-    def start_worker(self, reward) -> None:
-        """Label claims (budget, query rule) and the background annotation worker."""
+    def start(self, reward) -> None:
+        """Label claims (budget, query rule), the background annotation worker and the labelling
+        page for people (``--human-feedback``), once ``reward`` is built."""
+        self._start_worker(reward)
+        if self.feedback_cfg.human_feedback:
+            self._start_feedback(reward)
+
+    def _start_worker(self, reward) -> None:
         if not self.spec.needs_annotator:
             return
         from ..annotation import LLMAnnotationTransform
 
-        ann = self.cfg.annotation
+        ann = self.ann_cfg
         self.claim = self._make_claim(reward)
         self.annotation = LLMAnnotationTransform(
             self.store, self.annotator, batch_size=ann.llm_batch_size,
             max_concurrency=ann.llm_concurrency, captions=self.spec.labels,
             pairs=self.spec.pairs, close_annotator=True, poll_interval_s=0.5, claim=self.claim,
         )
-
-    def start_page(self, reward) -> None:
-        """The labelling page for people (``--human-feedback``)."""
-        if self.cfg.feedback.human_feedback:
-            self._start_feedback(reward)
 
     def wake(self) -> None:
         """Called after work was queued (pairs) so the annotation worker picks it up."""
@@ -186,12 +201,12 @@ class Labelling:
         store's own most-seen order is asked for single captions; else None (``store.claim``)."""
         from ..queries import LabelBudget, SelectiveClaim
 
-        ann = self.cfg.annotation
+        ann = self.ann_cfg
         if not self.spec.labels or (ann.label_budget is None and ann.query_selection == "frequency"):
             return None
         budget = None
         if ann.label_budget is not None:
-            budget = LabelBudget(ann.label_budget, ann.label_schedule, total_frames=self.cfg.frames)
+            budget = LabelBudget(ann.label_budget, ann.label_schedule, total_frames=self.total_frames)
         member_probs = self._member_probabilities(reward) if ann.query_selection in ("disagree", "entropy") else None
         if ann.query_selection in ("disagree", "entropy") and member_probs is None:
             raise ValueError(f"--query-selection {ann.query_selection} needs a reward model of captions "
@@ -199,13 +214,13 @@ class Labelling:
         # a few requests' worth of candidates: each is scored by every member on every claim
         pool = max(4 * ann.llm_batch_size, 64)
         return SelectiveClaim(self.store, ann.query_selection, budget=budget, member_probs=member_probs,
-                              pool_size=pool, seed=self.cfg.seed)
+                              pool_size=pool, seed=self.seed)
 
     def _start_feedback(self, reward) -> None:
         """The labelling page on the live store, and the screens shown beside its captions."""
         from ..feedback import serve_feedback
 
-        fb = self.cfg.feedback
+        fb = self.feedback_cfg
         if self.snapshots is None:
             self.snapshots = self._load_screens()
         scorer = pair_scorer = None
@@ -250,16 +265,16 @@ class Labelling:
     def _open_store(self) -> None:
         from ..store import CaptionStore
 
-        self.store_path = self.cfg.annotation.caption_store or os.path.join(self.run_dir, CAPTION_STORE_NAME)
+        self.store_path = self._store_file
         if os.path.exists(self.store_path):
             self.store = CaptionStore.load(self.store_path)
             log.info("caption store: %d captions (%d labelled) from %s", len(self.store),
                      self.store.stats()["labelled"], self.store_path)
         else:
             self.store = CaptionStore()
-        for source in self.cfg.annotation.labels_from:
+        for source in self.ann_cfg.labels_from:
             self._import_labels(source)
-        if self.cfg.feedback.human_feedback:
+        if self.feedback_cfg.human_feedback:
             self.snapshots = self._load_screens()  # before any work: a damaged file ends the run here
 
     def _import_labels(self, source: str) -> None:
@@ -347,6 +362,8 @@ class Labelling:
                         "servers_up"):
                 if key in a:
                     out[f"annotation/{key}"] = float(a[key])
+        if self.annotation is not None and self.watched:
+            out.update(self.health.metrics())
         if self.claim is not None:
             for key, value in self.claim.metrics().items():
                 out[f"annotation/{key}"] = float(value)
@@ -372,26 +389,52 @@ class Labelling:
         out["human/page_up"] = float(self.feedback.running)
 
     # ------------------------------------------------------------------ saying it loudly
-    def alert(self, metrics: Dict[str, float]) -> Optional[str]:
-        """A warning line, at most once a minute, while label coverage stays near zero after
-        the first minute (with the cause), else None. The trainer prints it above its progress bar."""
+    def alerts(self, metrics: Dict[str, float]) -> List[str]:
+        """The warning lines to print above the progress bar now (often none): the labelling's
+        health (servers down, labels stopped, servers back: :class:`LabellingHealth`), a judge
+        whose labels are not ONI's, label coverage near zero. Called once an update."""
         if self.annotation is None:
-            return None
+            return []
         now = time.monotonic()
+        if self.started is None:
+            self.started = now
+        lines: List[str] = []
+        if self.watched:
+            labels = metrics.get("annotation/labels_total", 0) + metrics.get("annotation/preferences_total", 0)
+            lines += self.health.update(int(labels), int(metrics.get("annotation/queue_depth", 0)),
+                                        self.annotation.servers(), cause=self.annotation.health)
         judge = self.judge_problem(metrics)
         if judge and (not self.judge_said or now - self.last_alert >= ALERT_EVERY_S):
             self.judge_said, self.last_alert = True, now
-            return judge
+            return lines + [judge]
         coverage = self.coverage(metrics)
         if now - self.started < COVERAGE_GRACE_S or coverage >= LOW_COVERAGE or now - self.last_alert < ALERT_EVERY_S:
-            return None
+            return lines
+        if lines:  # the health line said why already
+            return lines
         self.last_alert = now
         what = "of steps have a labelled caption" if self.spec.labels else "of queued pairs are labelled"
-        return (f"intrinsic reward: only {coverage:.1%} {what} after {now - self.started:.0f} s; "
-                f"annotation: {self.annotation.health()}")
+        return [f"intrinsic reward: only {coverage:.1%} {what} {now - self.started:.0f} s into training; "
+                f"annotation: {self.annotation.health()}"]
+
+    def bar_fields(self, metrics: Dict[str, float]) -> List[str]:
+        """The progress bar's words on labelling: both coverages, the queue, the rate, the server."""
+        fields = []
+        if "labels/seen_coverage" in metrics:
+            seen = metrics.get("labels/seen_captions", 0)
+            captions = metrics.get("labels/seen_labelled", 0) / seen if seen else 0.0
+            fields.append(f"labelled={metrics['labels/seen_coverage']:.0%} steps {captions:.0%} captions")
+        if "annotation/queue_depth" in metrics:
+            fields.append(f"queue={metrics['annotation/queue_depth']:,.0f}")
+        if "annotation/labels_per_s" in metrics:
+            fields.append(f"labels/s={metrics['annotation/labels_per_s']:.1f}")
+        if self.annotation is not None and self.watched and self.health.started is not None:
+            fields.append(f"llm={self.health.state()}")
+        return fields
 
     def judge_problem(self, metrics: Dict[str, float]) -> Optional[str]:
-        """The probe's verdict, or the positive rate of this run's labels when it pays most steps."""
+        """The probe's verdict, or the positive rate of this run's labels when it pays most steps
+        or almost none."""
         if self.judge is not None and self.judge.problem():
             return f"judge probe: {self.judge.problem()}"
         if not self.spec.labels or self.store is None:
@@ -402,6 +445,12 @@ class Labelling:
         if labelled >= JUDGE_MIN_LABELS and positive >= JUDGE_POSITIVE_ALARM:
             return (f"the judge approved {positive:.0%} of the {int(labelled):,} captions it labelled: the intrinsic "
                     f"reward pays most steps, a survival bonus instead of ONI; {ADVICE}")
+        if (labelled >= JUDGE_MIN_LABELS and "labels/positive_fraction" in metrics and positive <= JUDGE_NEGATIVE_ALARM
+                and self.watched):
+            approved = int(round(positive * labelled))
+            return (f"the judge approved only {approved:,} of the {int(labelled):,} captions it labelled "
+                    f"({positive:.1%}; ONI's judge approved 10-20 %): the intrinsic reward pays almost nothing and "
+                    f"ONI does nothing; {ADVICE}")
         label, found = self.store.lookup(np.array([EMPTY_CAPTION_HASH], dtype=np.int64))
         if bool(found[0]) and float(label[0]) > 0.5:  # the commonest caption of all: it would pay most steps
             return (f"the judge labelled the empty message (no message on screen) as progress, so most steps are "
@@ -415,46 +464,59 @@ class Labelling:
         pairs = metrics.get("labels/pairs", 0)
         return metrics.get("labels/pairs_labelled", 0) / pairs if pairs else 0.0
 
+    def _counts(self, metrics: Dict[str, float]):
+        """``(labelled, seen, unit)`` of what this run saw: captions (of those it met; --labels-from
+        also brings captions it never met) or pairs."""
+        if self.spec.labels:
+            done = metrics.get("labels/seen_labelled", metrics.get("labels/labelled", 0))
+            return int(done), int(metrics.get("labels/seen_captions", metrics.get("labels/captions", 0))), "captions"
+        return int(metrics.get("labels/pairs_labelled", 0)), int(metrics.get("labels/pairs", 0)), "pairs"
+
+    def summary_lines(self, metrics: Dict[str, float]) -> List[str]:
+        """Plain lines for the run's summary: how long labelling was stopped, what never got a label."""
+        if self.annotation is None or not self.watched or self.health.started is None:
+            return []
+        done, seen, unit = self._counts(metrics)
+        return self.health.summary_lines(max(seen - done, 0), seen, unit)[0]
+
     def final_warnings(self, metrics: Dict[str, float]) -> List[str]:
-        """Lines the run's summary must show when labels never came (or the judge pays most
-        steps); the reward's own lines go after these."""
+        """Lines the run's summary must show when labels never came or stopped for long, or the
+        judge pays most steps or almost none; the reward's own lines go after these."""
         if self.annotation is None:
             return []
         lines: List[str] = []
         judge = self.judge_problem(metrics)
         if judge:
             lines = [judge]
+        done, total, unit = self._counts(metrics)
+        if self.watched and self.health.started is not None:
+            lines = self.health.summary_lines(max(total - done, 0), total, unit)[1] + lines
         coverage = self.coverage(metrics)
         if coverage >= FINAL_COVERAGE_WARNING:
             return lines
-        if self.spec.labels:
-            # of the captions this run saw (--labels-from also brings captions it never met)
-            done = metrics.get("labels/seen_labelled", metrics.get("labels/labelled", 0))
-            total, unit = metrics.get("labels/seen_captions", metrics.get("labels/captions", 0)), "captions"
-        else:
-            done, total, unit = metrics.get("labels/pairs_labelled", 0), metrics.get("labels/pairs", 0), "pairs"
-        budget = self.cfg.annotation.label_budget
+        budget = self.ann_cfg.label_budget
         if budget is not None:  # few labels is what was asked for: say so, not "barely ran"
-            return [f"label budget: {int(done):,} of {int(total):,} {unit} labelled ({coverage:.1%}) under "
+            return [f"label budget: {done:,} of {total:,} {unit} labelled ({coverage:.1%}) under "
                     f"--label-budget {budget:g} per million frames"] + lines
         health = self.final_health or self.annotation.health(window_s=float("inf"))
-        return [f"ONI barely ran: {int(done):,} of {int(total):,} {unit} labelled ({coverage:.1%}), so the "
+        return [f"ONI barely ran: {done:,} of {total:,} {unit} labelled ({coverage:.1%}), so the "
                 f"intrinsic reward was mostly 0. Annotation: {health}"] + lines
 
     # ------------------------------------------------------------------ stopping
-    def stop_page(self) -> None:
-        """Stops the labelling page: answers given until now land in the store saved after."""
-        if self.feedback is not None:
-            self.feedback.stop()
-
-    def stop_worker(self) -> None:
-        """Stops the annotation worker (its health over the whole run is kept for the summary)."""
-        if self.annotation is not None:
-            self.final_health = self.annotation.health(window_s=float("inf"))
-            self.annotation.close()
-
-    def stop_server(self) -> None:
-        """Stops the embedded LLM server, if this run started one."""
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+    def close(self, save: bool = True) -> None:
+        """Stops the labelling page (first: answers given until now land in the saved store), the
+        annotation worker (its health over the whole run is kept for the summary), saves the
+        store (``save=False``: a run that never started writes none) and stops the embedded LLM
+        server this run started, whatever failed before."""
+        try:
+            if self.feedback is not None:
+                self.feedback.stop()
+            if self.annotation is not None:
+                self.final_health = self.annotation.health(window_s=float("inf"))
+                self.annotation.close()
+            if save:
+                self.save_store()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None

@@ -2,7 +2,7 @@
 over the library functions of :mod:`torchrl_oni.rewards.motif`. They take what an ``oni-train``
 run leaves and the annotator flags ``oni-train`` takes::
 
-    oni-collect-pairs runs/oni --out pairs.npz --num-pairs 20000       # a run folder (its captions.pt)
+    oni-collect-pairs RUN --out pairs.npz --num-pairs 20000            # a run folder (its captions.pt)
     oni-annotate-pairs pairs.npz --out annotations.npz --annotator llm --llm-url http://gpu:8000/v1
     oni-train-reward pairs.npz annotations.npz --out reward.pt
     oni-train --intrinsic-reward motif --reward-model reward.pt
@@ -469,7 +469,7 @@ def train_reward_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m torchrl_oni.train.motif_cli {collect,annotate,train} ...`` (or ``...rewards.motif``)."""
+    """``python -m torchrl_oni.train.motif_cli {collect,annotate,train} ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"collect": collect_pairs_main, "annotate": annotate_pairs_main,
                 "train": train_reward_main}

@@ -45,16 +45,15 @@ from torchrl.modules import GRUModule, LSTMModule, ProbabilisticActor, recurrent
 
 from ..captions import GOAL_EMBEDDING_KEY
 from ..envs.batched import OFF_MAP_GLYPH
+from .archs import ARCHS, RECURRENT_ARCHS
 
-__all__ = ["ARCHS", "BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "loss_critic", "POLICY_IN_KEYS",
+__all__ = ["BLSTATS_SCALE", "LightNet", "ONIEncoder", "make_actor_critic", "loss_critic", "POLICY_IN_KEYS",
            "TRUNK_KEYS", "acting_copy", "actor_head", "ActingActor", "PlainStep"]
 
 POLICY_IN_KEYS = ["crop", "blstats", "message"]
 # what the recurrent archs' shared trunk writes for its own heads (encoder output, core output):
 # 5.2 kB a step that the loss recomputes, so rollouts and the learner's device copy leave them out
 TRUNK_KEYS = ("features", "core")
-RECURRENT_ARCHS = ("oni", "oni-lstm")
-ARCHS = ("light",) + RECURRENT_ARCHS
 
 # blstats scaling after ONI §5.1 (index: scale); unlisted stats (score, depth, monster level,
 # dungeon number/level, condition, alignment) are scaled to 0. Clipped to ±5 after scaling.

@@ -14,12 +14,17 @@ The loop, one update at a time:
 4. ``GAE`` then ``ClipPPOLoss`` for ``ppo_epochs`` passes of minibatches; fresh weights go to
    the workers; hooks run (reward-model training between PPO iterations).
 
+The trainer runs a :class:`~torchrl_oni.train.build.Run` (:func:`~torchrl_oni.train.build.build_run`);
+its hooks declare the stages they run at (:mod:`torchrl_oni.train.hooks`), and the trainer keeps
+one list per stage, made once when it is built. From a configuration, in one line:
+:meth:`Trainer.from_config`.
+
 Example:
     >>> from torchrl_oni.train import TrainConfig, Trainer
     >>> import tempfile
     >>> cfg = TrainConfig(frames=1024, workers=1, envs_per_worker=4, rollout=32,
     ...                   logdir=tempfile.mkdtemp(), progress=False, tensorboard=False)
-    >>> summary = Trainer(cfg).train()
+    >>> summary = Trainer.from_config(cfg).train()
     >>> summary["frames"] >= 1024
     True
 """
@@ -42,14 +47,17 @@ from tensordict import TensorDictBase
 from ..envs.batched import EPISODE_STATS
 from ..envs.tasks import STATUS_ABORTED, STATUS_DEATH
 from ..atomic import remove_stale_temps
+from .archs import RECURRENT_ARCHS
 from .backends import get_backend
+from .build import Run, check_resolved
 from .checkpoint import CHECKPOINT_NAME, TRAINER_KEYS, CheckpointError, load_checkpoint, save_checkpoint
-from .config import CONFIG_NAME, TrainConfig, resolve_device
-from .env_factory import EnvFactory, make_env_factory  # noqa: F401  (EnvFactory: importable here for one release)
+from .config import CONFIG_NAME, TrainConfig
+from .env_factory import make_env_factory
+from .hooks import STAGES, TrainHook
 from .run_log import EpisodeWindow, RunLogger
-from .policy import RECURRENT_ARCHS, acting_copy, make_actor_critic, recurrent_primer
+from .policy import acting_copy, make_actor_critic, recurrent_primer
 
-__all__ = ["Trainer", "TrainHook", "TrainingStopped", "EnvWorkerError", "EnvFactory", "make_env_factory", "resolve_device", "write_config"]
+__all__ = ["Trainer", "TrainingStopped", "EnvWorkerError", "write_config"]
 
 log = logging.getLogger("torchrl_oni.train")
 
@@ -60,6 +68,7 @@ class TrainingStopped(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
+        self.summary: Optional[Dict[str, float]] = None  # what the run did until then (train()'s summary)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -112,16 +121,26 @@ def _stop_on_signals():
             signal.signal(sig, old)
 
 
-def _progress_fields(fps: float, metrics: Dict[str, float]) -> Dict[str, str]:
-    """What the progress bar shows: speed, return, and label coverage and rate when ONI runs."""
-    post = {"fps": f"{fps:,.0f}"}
+# one frames/s figure on the bar: the run's own (frames since start / wall time), not tqdm's
+# smoothed rate beside it
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} frames [{elapsed}<{remaining}{postfix}]"
+
+
+def _progress_fields(fps: float, metrics: Dict[str, float], hooks: Sequence = ()) -> str:
+    """What the progress bar shows after the frame count: speed, return, and the words of each
+    hook of the ``bar`` stage (ONI: steps and distinct captions labelled, the queue, labels/s,
+    the LLM server's state).
+
+    Example:
+        >>> _progress_fields(2713.4, {"episode/return": 0.25})
+        'frames/s=2,713, return=0.25'
+    """
+    post = [f"frames/s={fps:,.0f}"]
     if "episode/return" in metrics:
-        post["return"] = f"{metrics['episode/return']:.2f}"
-    if "labels/seen_coverage" in metrics:
-        post["labelled"] = f"{metrics['labels/seen_coverage']:.0%}"
-    if "annotation/labels_per_s" in metrics:
-        post["labels/s"] = f"{metrics['annotation/labels_per_s']:.1f}"
-    return post
+        post.append(f"return={metrics['episode/return']:.2f}")
+    for hook in hooks:
+        post += hook.bar_fields(metrics)
+    return ", ".join(post)
 
 
 def _warn(line: str, bar) -> None:
@@ -143,61 +162,68 @@ def write_config(cfg: TrainConfig, run_dir: str) -> str:
     return path
 
 
-class TrainHook:
-    """Extension point for the intrinsic-reward side; every method is optional.
-
-    * ``on_batch(batch, trainer) -> batch``: on each update's batch (the workers' ``[K, T]``
-      batches gathered along the first dimension up to ``--frames-per-update``; one worker's batch
-      by default), before the reward is combined (annotation, intrinsic reward lookup);
-    * ``after_update(trainer)``: after each PPO iteration (reward-model training);
-    * ``metrics() -> dict``: numbers for the logs; ``state_dict()/load_state_dict()``: saved in
-      checkpoints; ``close()``: at the end of training.
-    """
-
-    name = "hook"
-
-    def on_batch(self, batch: TensorDictBase, trainer: "Trainer") -> TensorDictBase:
-        return batch
-
-    def after_update(self, trainer: "Trainer") -> None:
-        pass
-
-    def metrics(self) -> Dict[str, float]:
-        return {}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class Trainer:
     """PPO trainer over ``cfg.env.workers`` processes of ``cfg.env.envs_per_worker`` NetHack games.
 
     Args:
-        cfg: the :class:`TrainConfig`.
-        hooks: :class:`TrainHook` objects (or any object with some of its methods), e.g. the
-            intrinsic-reward machinery.
-        batch_transforms: TorchRL transforms applied to each update's batch, in order, before
-            the hooks' ``on_batch``.
+        run: what to train (:func:`~torchrl_oni.train.build.build_run`): the resolved
+            configuration, the hooks (:class:`~torchrl_oni.train.hooks.TrainHook`, each declaring
+            its stages), the batch transforms and the env workers' transforms. From a
+            configuration in one line: :meth:`from_config`.
+
+    When building the trainer fails (a checkpoint of another network, env workers that cannot
+    start), its hooks are closed without saving: an embedded LLM server or an annotation thread
+    must not outlive a run that never started.
     """
 
-    def __init__(self, cfg: TrainConfig, hooks: Sequence = (), batch_transforms: Sequence = ()):
-        cfg = cfg.resolved()  # derived defaults filled in: what this run uses and records
-        cfg.validate()
+    def __init__(self, run: Run):
+        cfg = run.cfg
+        check_resolved(cfg, "Trainer")
         self.cfg = cfg
-        self.hooks = list(hooks)
-        self.batch_transforms = list(batch_transforms)
-        self.device = resolve_device(cfg.device)
-        if self.device.type == "cpu":
-            # the env workers own a core each; OpenMP threads spinning beside them cost 3× (workers
-            # of a Ray cluster that is not this machine leave its cores to the learner)
-            local_workers = 0 if cfg.distributed.ray_address else cfg.env.workers
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) - local_workers))
+        self.hooks = list(run.hooks)
+        self.batch_transforms = list(run.batch_transforms)
+        self.env_transforms = list(run.env_transforms)
+        # one list per stage, in the hooks' order, made once: the loop calls these, never asks a hook
+        self._at: Dict[str, list] = {stage: [] for stage in STAGES}
+        for hook in self.hooks:
+            if not isinstance(hook, TrainHook):
+                raise TypeError(f"{hook!r} is not a TrainHook: subclass torchrl_oni.train.TrainHook and declare "
+                                f"the stages it runs at (its stages attribute)")
+            hook.register(self)
+        self._saves_state = [any(h is hook for h in self._at["state"]) for hook in self.hooks]
+        try:
+            self._build(cfg)
+        except BaseException:
+            self._close_hooks(save=False)
+            raise
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, hooks: Sequence = (), batch_transforms: Sequence = (), *,
+                    intrinsic: bool = True) -> "Trainer":
+        """The trainer of ``cfg``: resolves it (the one time a Python run does), validates it,
+        builds the run (the intrinsic reward's hook of ``cfg.reward.intrinsic_reward`` first, then
+        ``hooks``; ``intrinsic=False``: none, e.g. for an untrained checkpoint) and the trainer.
+        ``batch_transforms``: TorchRL transforms on each update's batch, before the hooks."""
+        from .build import build_run
+
+        cfg = cfg.resolved()
+        cfg.validate()
+        return cls(build_run(cfg, hooks, batch_transforms, intrinsic=intrinsic))
+
+    def register_op(self, stage: str, hook: TrainHook) -> None:
+        """Runs ``hook`` at ``stage`` (one of :data:`~torchrl_oni.train.hooks.STAGES`), after the
+        hooks registered there before it; called by :meth:`TrainHook.register` when the trainer
+        is built."""
+        if stage not in self._at:
+            raise ValueError(f"unknown hook stage {stage!r} (of {getattr(hook, 'name', hook)!r}); the stages: "
+                             f"{', '.join(STAGES)}")
+        self._at[stage].append(hook)
+
+    def _build(self, cfg: TrainConfig) -> None:
+        self.device = cfg.derived.device
+        if cfg.derived.learner_threads is not None:
+            # the env workers own a core each; OpenMP threads spinning beside them cost 3×
+            torch.set_num_threads(cfg.derived.learner_threads)
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
         self.run_dir = cfg.log.logdir
@@ -209,8 +235,6 @@ class Trainer:
         self.checkpoint_path = os.path.join(self.run_dir, CHECKPOINT_NAME)
 
         # a throw-away env gives the specs the networks are built from
-        self.env_transforms = [t for hook in self.hooks if hasattr(hook, "env_transforms")
-                               for t in hook.env_transforms()]
         probe = make_env_factory(cfg, 0, transforms=[t.clone() for t in self.env_transforms])()
         self.value_heads = cfg.ppo.value_heads
         self.actor, self.critic = make_actor_critic(probe, arch=cfg.ppo.arch, value_heads=cfg.ppo.value_heads)
@@ -260,7 +284,7 @@ class Trainer:
             "episode_window": self.episodes.state_dict(),
             "elapsed_s": self._elapsed_s,
             "config": self.cfg.to_dict(),
-            "hooks": [h.state_dict() if hasattr(h, "state_dict") else {} for h in self.hooks],
+            "hooks": [h.state_dict() if saves else {} for h, saves in zip(self.hooks, self._saves_state)],
             "torch_rng": torch.get_rng_state(),
         }
 
@@ -290,8 +314,8 @@ class Trainer:
             self.episodes.episodes = int(state.get("episodes", 0))
         self._elapsed_s = float(state.get("elapsed_s", 0.0))
         torch.set_rng_state(state["torch_rng"])
-        for hook, hook_state in zip(self.hooks, state.get("hooks", [])):
-            if hook_state and hasattr(hook, "load_state_dict"):
+        for hook, saves, hook_state in zip(self.hooks, self._saves_state, state.get("hooks", [])):
+            if hook_state and saves:
                 hook.load_state_dict(hook_state)
         self._start_frames = self.frames
         log.info("resumed from %s at %d frames", path, self.frames)
@@ -460,12 +484,15 @@ class Trainer:
         bar = None
         next_checkpoint = (self.frames // cfg.log.checkpoint_every + 1) * cfg.log.checkpoint_every
         metrics: Dict[str, float] = {}
+        stopped: Optional[TrainingStopped] = None
+        at = self._at
         try:
             batches = self._collected_batches(per_batch)
             if cfg.log.progress:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(total=cfg.frames, initial=self.frames, unit="frames", dynamic_ncols=True, smoothing=0.1)
+                bar = tqdm(total=cfg.frames, initial=self.frames, unit="frames", dynamic_ncols=True, smoothing=0.1,
+                           bar_format=BAR_FORMAT)
             t_start = time.perf_counter()
             t_wait = time.perf_counter()
             elapsed_before = self._elapsed_s
@@ -480,6 +507,8 @@ class Trainer:
                 with clock("log"):
                     self._episode_stats(batch)
                 if bar is not None:
+                    # the last batch overshoots --frames by up to a batch: keep a total the bar can show
+                    bar.total = max(bar.total, bar.n + n)
                     bar.update(n)
                 pending.append(batch)
                 if sum(b.numel() for b in pending) < cfg.frames_per_update and self.frames < cfg.frames:
@@ -495,18 +524,16 @@ class Trainer:
                 with clock("hooks"):
                     for transform in self.batch_transforms:
                         batch = transform(batch)
-                    for hook in self.hooks:
-                        if hasattr(hook, "on_batch"):
-                            batch = hook.on_batch(batch, self)
+                    for hook in at["batch"]:
+                        batch = hook.on_batch(batch, self)
                 intrinsic = batch.get(("next", "intrinsic_reward"), None)
                 with clock("reward"):
                     self.shape_reward(batch)
                 train_stats = self._ppo_update(batch)
                 self.iterations += 1
                 with clock("after_update"):
-                    for hook in self.hooks:
-                        if hasattr(hook, "after_update"):
-                            hook.after_update(self)
+                    for hook in at["post_update"]:
+                        hook.after_update(self)
                 with clock("weights"):
                     self._send_weights()
                 t_log = time.perf_counter()
@@ -531,17 +558,16 @@ class Trainer:
                 if intrinsic is not None:
                     metrics["reward/intrinsic_mean"] = float(intrinsic.float().mean())
                     metrics["reward/intrinsic_nonzero"] = float((intrinsic != 0).float().mean())
-                for hook in self.hooks:
-                    if hasattr(hook, "metrics"):
-                        metrics.update(hook.metrics())
+                for hook in at["metrics"]:
+                    metrics.update(hook.metrics())
                 if self.iterations % cfg.log.log_every == 0:
                     logger.log(metrics)
-                for hook in self.hooks:
-                    line = hook.alert(metrics) if hasattr(hook, "alert") else None
-                    if line:
+                for hook in at["alert"]:
+                    text = hook.alert(metrics)
+                    for line in (text.splitlines() if text else ()):
                         _warn(line, bar)
                 if bar is not None:
-                    bar.set_postfix(_progress_fields(fps, metrics), refresh=False)
+                    bar.set_postfix_str(_progress_fields(fps, metrics, at["bar"]), refresh=False)
                 if self.frames >= next_checkpoint:
                     self.save()
                     next_checkpoint += cfg.log.checkpoint_every
@@ -550,6 +576,8 @@ class Trainer:
                 self.time_learn += t_wait - t_got
                 if self.frames >= cfg.frames:
                     break
+        except TrainingStopped as stop:  # saved below like any end; the summary travels with it
+            stopped = stop
         finally:
             stopping.saving = True
             self._stop_watchdog()  # before the workers go: nothing is killed during the final save
@@ -563,9 +591,8 @@ class Trainer:
             self._close_hooks()
             if metrics:
                 final = {k: v for k, v in metrics.items()}
-                for hook in self.hooks:
-                    if hasattr(hook, "metrics"):
-                        final.update(hook.metrics())
+                for hook in at["metrics"]:
+                    final.update(hook.metrics())
                 if final != metrics or self.iterations % cfg.log.log_every:
                     logger.log(final)
                     metrics = final
@@ -574,18 +601,26 @@ class Trainer:
         summary = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         summary["frames"] = float(self.frames)
         summary["checkpoint"] = self.checkpoint_path
-        warnings = [line for hook in self.hooks if hasattr(hook, "final_warnings")
-                    for line in hook.final_warnings(metrics)]
+        warnings = [line for hook in at["final_warnings"] for line in hook.final_warnings(metrics)]
         for line in warnings:
             log.warning(line)
         if warnings:
             summary["warnings"] = warnings
+        notes = [line for hook in at["summary"] for line in hook.summary_lines(metrics)]
+        if notes:
+            summary["notes"] = notes
+        if stopped is not None:
+            stopped.summary = summary
+            raise stopped
         return summary
 
-    def _close_hooks(self) -> None:
-        for hook in self.hooks:
-            if hasattr(hook, "close"):
+    def _close_hooks(self, save: bool = True) -> None:
+        """Closes the hooks of the ``close`` stage; ``save=False``: a run that never started."""
+        for hook in self._at["close"]:
+            if save:
                 hook.close()
+            else:
+                hook.close(save=False)
 
     def _send_weights(self) -> None:
         """Fresh weights to whatever acts: the inference server (on the learner's device, in

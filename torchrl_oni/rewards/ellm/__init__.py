@@ -134,8 +134,8 @@ from torchrl_oni.rewards.ellm.matching import (
     transition_caption,
     transition_sentences,
 )
-from torchrl_oni.rewards.ellm.reward import STATE_HASH_KEY, TRAJ_IDS_KEY, ELLMReward
-from torchrl_oni.rewards.ellm.table import DONE, GoalTable
+from torchrl_oni.rewards.ellm.reward import TRAJ_IDS_KEY, ELLMReward
+from torchrl_oni.rewards.ellm.table import GoalTable
 from torchrl_oni.rewards.ellm.worker import GoalWorker
 
 __all__ = [
@@ -155,4 +155,3 @@ __all__ = [
     "SharedGoalEmbeddings",
     "GoalEmbeddingTransform",
 ]
-# also importable from here, as before the split (not in __all__): STATE_HASH_KEY, DONE

@@ -51,7 +51,7 @@ def build_ellm_reward(
             to the least loaded usable one), and the served model (``None``: the only one the
             servers list) for ``"llm"``.
         api_key: bearer token for the servers (``None``: ``OPENAI_API_KEY``, or none).
-        encoder: ``"auto"``, ``"minilm"`` or ``"hashed"`` (:func:`~torchrl_oni.rewards.encoder.make_encoder`).
+        encoder: ``"auto"``, ``"minilm"`` or ``"hashed"`` (:func:`~torchrl_oni.rewards.text.make_encoder`).
         threshold: ``None``: the encoder's calibrated default.
         goals_per_state: goals asked for and kept per state.
         message, once_per_episode, beta, goal_conditioned, shared: see :class:`ELLMReward`.

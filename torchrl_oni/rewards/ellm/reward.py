@@ -45,7 +45,7 @@ class ELLMReward:
     Args:
         table: the :class:`GoalTable` (shared with the worker).
         suggester: a :class:`~torchrl_oni.annotators.goals.GoalSuggester` (scripted or HTTP).
-        encoder: a sentence encoder (:mod:`torchrl_oni.rewards.encoder`).
+        encoder: a sentence encoder (:mod:`torchrl_oni.rewards.text`).
 
     Keyword Args:
         threshold: cosine above which a goal counts as achieved; ``None``: the encoder's

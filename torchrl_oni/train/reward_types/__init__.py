@@ -3,10 +3,11 @@
 Each module of this package registers one type (:func:`register_reward`): its settings (the
 config section ``reward.<name>`` and flags ``--<name>-<field>``), its checks, and how it is
 built from the run's configuration out of the reward classes of :mod:`torchrl_oni.rewards`.
-The registry itself is :mod:`~torchrl_oni.train.reward_types._registry`; the configuration
+The registry itself is :mod:`~torchrl_oni.train.reward_types._registry`; this package imports
+each module the first time the registry is read (:func:`reward_types`). The configuration
 (:mod:`torchrl_oni.train.config`) reads it for the ``--intrinsic-reward`` choices, the reward
-sections and the types that train a reward model, and the trainer's hook
-(:mod:`torchrl_oni.train.intrinsic`) for what to provide and what to build.
+sections and the types that train a reward model, and the run's builder
+(:func:`~torchrl_oni.train.build.build_intrinsic_hook`) for what to provide and what to build.
 
 ==================  ====================================================================
 module              reward type
@@ -26,16 +27,51 @@ Example:
     >>> reward_names()
     ('none', 'bow', 'classification', 'ellm', 'motif', 'ranking', 'retrieval')
 """
+import importlib
+import pkgutil
+from typing import Dict, Tuple
+
 from torchrl_oni.train.reward_types._registry import (
+    _LOCK,
+    _REGISTRY,
     LLMEndpoint,
     RewardContext,
     RewardParts,
     RewardType,
-    model_rewards,
     register_reward,
-    reward_names,
-    reward_types,
 )
 
 __all__ = ["RewardType", "RewardParts", "RewardContext", "LLMEndpoint", "register_reward", "reward_types",
            "reward_names", "model_rewards"]
+
+_DISCOVERED = False
+
+
+def _discover() -> None:
+    # Done here, by the package, not by the registry: each module imports the registry to
+    # register its type, so the imports run one way (package -> its modules -> registry).
+    global _DISCOVERED
+    with _LOCK:
+        if _DISCOVERED:
+            return
+        # the package's __path__ at call time, so that a directory appended to it counts too
+        for module in pkgutil.iter_modules(__path__):
+            if not module.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{module.name}")
+        _DISCOVERED = True
+
+
+def reward_types() -> Dict[str, RewardType]:
+    """Every registered reward type by name (each module of this package imported first)."""
+    _discover()
+    return dict(_REGISTRY)
+
+
+def reward_names() -> Tuple[str, ...]:
+    """``("none", ...)`` followed by the registered types, sorted."""
+    return ("none",) + tuple(sorted(reward_types()))
+
+
+def model_rewards() -> Tuple[str, ...]:
+    """The registered types that train a reward model (declared ``reward_model``), sorted."""
+    return tuple(sorted(name for name, spec in reward_types().items() if spec.reward_model))

@@ -20,9 +20,11 @@ declaration       meaning
 ================  =========================================================================
 
 Every module of the :mod:`torchrl_oni.train.reward_types` package is imported once, the first
-time the registry is read (by :mod:`torchrl_oni.train.config`, before it derives the config tree
-and the command line), so a new reward type is one new module there; or, from any code that
-runs before the config is imported, one :func:`register_reward` call. The reward classes
+time the registry is read through the package (:func:`~torchrl_oni.train.reward_types.reward_types`,
+by :mod:`torchrl_oni.train.config` before it derives the config tree and the command line), so a
+new reward type is one new module there; or, from any code that runs before the config is
+imported, one :func:`register_reward` call. The package does that discovery, not this module:
+the modules import the registry, and the registry imports none of them. The reward classes
 themselves live in :mod:`torchrl_oni.rewards`, which knows nothing of this registry. ``none``
 (no intrinsic reward) is not a type: it needs no hook at all.
 
@@ -36,24 +38,20 @@ Example:
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-__all__ = ["RewardType", "RewardParts", "RewardContext", "LLMEndpoint", "register_reward", "reward_types",
-           "reward_names", "model_rewards"]
-
-_PACKAGE = __name__.rpartition(".")[0]  # torchrl_oni.train.reward_types: one module per type
+__all__ = ["RewardType", "RewardParts", "RewardContext", "LLMEndpoint", "register_reward"]
 
 
 @dataclass
 class RewardContext:
-    """What a reward type's ``build`` gets from the trainer.
+    """What a reward type's ``build`` gets from :func:`~torchrl_oni.train.build.build_intrinsic_hook`.
 
     Attributes:
-        cfg: the run's :class:`~torchrl_oni.train.config.TrainConfig` (resolved).
+        cfg: the run's :class:`~torchrl_oni.train.config.TrainConfig` (resolved): a type reads the
+            sections it needs (``reward_model``, ``annotation``, the seed).
         settings: the type's own settings section (``cfg.reward.<name>``), or None.
         store: the run's caption store when the type declared ``labels`` or ``pairs``, else None.
         device: where reward models live (the learner's device, never the env workers).
@@ -139,8 +137,7 @@ class RewardType:
         return self.labels or self.pairs
 
 
-_REGISTRY: Dict[str, RewardType] = {}
-_DISCOVERED = False
+_REGISTRY: Dict[str, RewardType] = {}  # read through the package, which fills it first
 _LOCK = threading.RLock()
 
 
@@ -162,31 +159,3 @@ def register_reward(name: str, *, help: str = "", labels: bool = False, pairs: b
 
     return decorate
 
-
-def _discover() -> None:
-    global _DISCOVERED
-    with _LOCK:
-        if _DISCOVERED:
-            return
-        # the package's __path__ at call time, so that a directory appended to it counts too
-        package = importlib.import_module(_PACKAGE)
-        for module in pkgutil.iter_modules(package.__path__):
-            if not module.name.startswith("_"):
-                importlib.import_module(f"{_PACKAGE}.{module.name}")
-        _DISCOVERED = True
-
-
-def reward_types() -> Dict[str, RewardType]:
-    """Every registered reward type by name."""
-    _discover()
-    return dict(_REGISTRY)
-
-
-def reward_names() -> Tuple[str, ...]:
-    """``("none", ...)`` followed by the registered types, sorted."""
-    return ("none",) + tuple(sorted(reward_types()))
-
-
-def model_rewards() -> Tuple[str, ...]:
-    """The registered types that train a reward model (declared ``reward_model``), sorted."""
-    return tuple(sorted(name for name, spec in reward_types().items() if spec.reward_model))
