@@ -57,19 +57,8 @@ What the Ray backend adds on top of ``RayCollector`` (TorchRL 0.14.1), and why:
   Ray's object store, and Ray cannot restart an actor whose arguments lived on a dead node
   (ray-project/ray#53727).
 
-Example:
-    >>> from torchrl_oni.envs import NLEBatchEnv
-    >>> from torchrl_oni.train.config import TrainConfig
-    >>> from torchrl_oni.train.policy import make_actor_critic
-    >>> from torchrl_oni.train.env_factory import make_env_factory
-    >>> from torchrl_oni.train.backends import make_collector
-    >>> cfg = TrainConfig(workers=1, envs_per_worker=2, rollout=8)
-    >>> actor, _ = make_actor_critic(NLEBatchEnv("score", num_envs=1, seed=0))
-    >>> collector = make_collector("local", [make_env_factory(cfg, 0)], actor,
-    ...                            frames_per_batch=16, total_frames=32)
-    >>> [tuple(batch.shape) for batch in collector]
-    [(2, 8), (2, 8)]
-    >>> collector.shutdown()
+A collector is built through the registry: see :func:`torchrl_oni.train.backends.make_collector`
+(its example runs the local backend end to end).
 """
 from __future__ import annotations
 
