@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from torchrl_oni.captions import encode_messages, hash_messages
-from torchrl_oni.evaluate import EVAL_NAME, _episode_row, evaluate, main, plan_shards
+from torchrl_oni._eval_play import _episode_row
+from torchrl_oni.evaluate import EVAL_NAME, evaluate, main, plan_shards
 from torchrl_oni.progression import progression
 from torchrl_oni.replay import load_episode
 from torchrl_oni.stats import mean_ci, t_quantile_975, wilson_interval

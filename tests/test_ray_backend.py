@@ -14,10 +14,11 @@ from tensordict import TensorDict
 
 ray = pytest.importorskip("ray")
 
+from helpers import tiny_config  # noqa: E402
 from torchrl_oni.envs import NLEBatchEnv  # noqa: E402
 from torchrl_oni.train import TrainConfig, Trainer, TrainHook  # noqa: E402
 from torchrl_oni.train.backends import check_backend, make_collector  # noqa: E402
-from torchrl_oni.train.distributed import ray_init_kwargs  # noqa: E402
+from torchrl_oni.train.ray_session import ray_init_kwargs  # noqa: E402
 from torchrl_oni.train.policy import make_actor_critic  # noqa: E402
 from torchrl_oni.train.env_factory import make_env_factory  # noqa: E402
 
@@ -44,10 +45,10 @@ def test_check_backend_and_init_kwargs():
 
 
 def test_a_ray_without_token_auth_is_refused_in_one_line(monkeypatch, capsys):
-    from torchrl_oni.train import distributed
+    from torchrl_oni.train import ray_session
     from torchrl_oni.train.cli import main
 
-    monkeypatch.setattr(distributed, "_has_token_auth", lambda: False)
+    monkeypatch.setattr(ray_session, "_has_token_auth", lambda: False)
     with pytest.raises(ValueError, match="token authentication"):
         check_backend("ray", "auto")
     with pytest.raises(SystemExit) as stop:
@@ -89,7 +90,7 @@ def test_a_runs_own_ray_instance_listens_on_loopback_only_with_token_auth():
     psutil = pytest.importorskip("psutil")
     from ray._raylet import AuthenticationMode, get_authentication_mode
 
-    from torchrl_oni.train.distributed import LOCAL_ONLY_ENV, _token_file, cluster_requires_auth
+    from torchrl_oni.train.ray_session import LOCAL_ONLY_ENV, _token_file, cluster_requires_auth
 
     assert not ray.is_initialized()
     me = psutil.Process()
@@ -121,33 +122,40 @@ def test_a_runs_own_ray_instance_listens_on_loopback_only_with_token_auth():
 
 
 @pytest.fixture
-def open_head(tmp_path_factory):
+def open_head():
     """A Ray head started without token authentication (``RAY_AUTH_MODE=disabled``), on loopback,
     in a folder of its own; its processes are stopped by that folder (never ``ray stop``, which
     stops every Ray instance of the machine)."""
     import os
+    import shutil
     import signal
     import subprocess
     import sys
+    import tempfile
 
     psutil = pytest.importorskip("psutil")
     from torchrl_oni.net import free_port
-    from torchrl_oni.train.distributed import LOCAL_ONLY_ENV
+    from torchrl_oni.train.ray_session import LOCAL_ONLY_ENV
 
-    root = tmp_path_factory.mktemp("open-head")
+    # a short folder in the usual temp dir, not pytest's: Ray's socket paths must stay under the
+    # 107 bytes of a Unix socket's name (pytest-xdist's folders are deeper)
+    root = tempfile.mkdtemp(prefix="oni-head-")
     port = free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled", **{LOCAL_ONLY_ENV: "0"})
     env.pop("RAY_AUTH_TOKEN", None)
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--num-cpus=0",
-                    "--include-dashboard=false", f"--temp-dir={root}/ray"], env=env, check=True, capture_output=True,
-                   timeout=120)
-    yield f"127.0.0.1:{port}"
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(str(root) in part for part in proc.info["cmdline"] or ()):
-            try:
-                proc.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
+    try:
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+                        "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={root}/ray"], env=env, check=True,
+                       capture_output=True, timeout=120)
+        yield f"127.0.0.1:{port}"
+    finally:
+        for proc in psutil.process_iter(["cmdline"]):
+            if any(root in part for part in proc.info["cmdline"] or ()):
+                try:
+                    proc.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_joining_a_cluster_without_token_auth_warns_once(open_head, monkeypatch, caplog):
@@ -245,10 +253,9 @@ def cluster():
 
 
 def _config(tmp_path, cluster, **kw):
-    base = dict(frames=2048, workers=2, envs_per_worker=4, rollout=32, logdir=str(tmp_path), progress=False,
-                tensorboard=False, checkpoint_every=100_000, backend="ray", ray_address=cluster.address)
-    base.update(kw)
-    return TrainConfig(**base)
+    """The tiny run on the cluster's two worker nodes, the whole batch one minibatch (the default 1024)."""
+    return tiny_config(tmp_path, **{"frames": 2048, "workers": 2, "minibatch_size": 1024, "checkpoint_every": 100_000,
+                                    "backend": "ray", "ray_address": cluster.address, **kw})
 
 
 class _Record(TrainHook):

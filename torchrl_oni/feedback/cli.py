@@ -69,7 +69,8 @@ def build_parser() -> OneLineArgumentParser:
 def _first_captions(args) -> tuple:
     """``([(hash, why)], where from or None)``; a bad ``--first`` ends the command (one line), a bad
     file found next to the store only says so (it was not asked for)."""
-    from torchrl_oni.reward_hacking import REPORT_NAME, read_flagged
+    from torchrl_oni.reward_hacking.flagged import read_flagged
+    from torchrl_oni.reward_hacking.tally import REPORT_NAME
     from torchrl_oni.run_folder import EVAL_NAME
 
     if args.first == "none":

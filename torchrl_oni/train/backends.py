@@ -9,7 +9,8 @@ name, and the trainer asks the entry, never the name, what the backend supports.
 
 This module imports no TorchRL and no Ray: ``oni-train --help`` reads the names from here, and
 the built-in backends load their collectors (:mod:`torchrl_oni.train.distributed`) only when one
-is built. The imports run one way: this registry loads the collectors' module, which knows
+is built (Ray's check, :func:`~torchrl_oni.train.ray_session.check_ray`, imports Ray only when it
+runs). The imports run one way: this registry loads the collectors' module, which knows
 nothing of the registry.
 
 =====================  ===========================================================================
@@ -45,6 +46,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from ..registry import Registry
+from .ray_session import check_ray
 
 __all__ = ["Backend", "register_backend", "get_backend", "backend_names", "check_backend_settings", "check_backend",
            "make_collector"]
@@ -83,7 +85,7 @@ def get_backend(name: str) -> Backend:
 
 # ---------------------------------------------------------------------- the built-in backends
 def _collectors():
-    # loaded when a collector is built or Ray is checked, not on import: it brings TorchRL and
+    # loaded when a collector is built, not on import: it brings TorchRL and
     # Ray's wrappers, which `oni-train --help` and the config never need
     return importlib.import_module("torchrl_oni.train.distributed")
 
@@ -119,7 +121,7 @@ def _make_ray(env_factories, policy, *, frames_per_batch: int, total_frames: int
 
 
 def _check_ray(dist) -> None:
-    _collectors().check_ray(getattr(dist, "ray_address", None))
+    check_ray(getattr(dist, "ray_address", None))
 
 
 register_backend(Backend(
@@ -182,7 +184,7 @@ def make_collector(
         num_cpus_per_actor: CPUs Ray reserves for each env actor (1: one NetHack process per core).
         max_restarts: how many times Ray restarts a dead env actor.
         object_store_memory: bytes of object store of a Ray instance started for the run (``None``:
-            :data:`torchrl_oni.train.distributed.DEFAULT_OBJECT_STORE_MEMORY`).
+            :data:`torchrl_oni.train.ray_session.DEFAULT_OBJECT_STORE_MEMORY`).
         worker_timeout: seconds without any batch before the run fails (every worker dead or
             unplaceable).
         worker_policies: one policy per factory, used by that worker instead of a copy of

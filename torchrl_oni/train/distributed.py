@@ -31,7 +31,8 @@ copies: the weights live on the server (``server.update_weights``), and the coll
 
 What the Ray backend adds on top of ``RayCollector`` (TorchRL 0.14.1), and why:
 
-* **weights through the object store** (:class:`ObjectStoreWeightSyncScheme`, a TorchRL
+* **weights through the object store**
+  (:class:`~torchrl_oni.train.weight_sync.ObjectStoreWeightSyncScheme`, a TorchRL
   ``WeightSyncScheme``): ``ray.put`` once per update, then one queued ``update_policy_weights_``
   call per actor, applied between two of its batches. ``RayCollector``'s default
   ``RayWeightSyncScheme`` sends over a gloo process group of fixed size and waits for every actor
@@ -46,12 +47,13 @@ What the Ray backend adds on top of ``RayCollector`` (TorchRL 0.14.1), and why:
   current weights. A batch lost in flight is never counted; a worker Ray reports dead for good
   is dropped. ``RayCollector`` itself stops at the first dead actor;
 * **closed by default**: a Ray instance started for the run (no ``ray_address``) listens on
-  127.0.0.1 only (GCS, raylet, workers and agents; Ray's local-only mode, :func:`closed_ray_instance`),
+  127.0.0.1 only (GCS, raylet, workers and agents; Ray's local-only mode,
+  :func:`~torchrl_oni.train.ray_session.closed_ray_instance`),
   with token authentication on (the token file ``~/.ray/auth_token`` mode 0600), and keeps its
   session files (sockets, logs) under a private 0700 folder removed at the end instead of the
   world-writable ``/tmp/ray``; joining a cluster checks whether it answers a client without a
-  token and warns once if it does (:func:`cluster_requires_auth`). A Ray without token
-  authentication (before 2.52) is refused;
+  token and warns once if it does (:func:`~torchrl_oni.train.ray_session.cluster_requires_auth`).
+  A Ray without token authentication (before 2.52) is refused;
 * **small actor constructor arguments**: actors receive a weightless copy of the policy (NaN
   until the first weights arrive, so a missed update fails loudly). Arguments over 100 kB go to
   Ray's object store, and Ray cannot restart an actor whose arguments lived on a dead node
@@ -69,355 +71,30 @@ import logging
 import math
 import os
 import queue
-import re
-import shutil
 import signal
-import socket
-import stat
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.collectors import Collector, MultiAsyncCollector
 from torchrl.collectors.distributed import RayCollector
-from torchrl.weight_update import WeightSyncScheme
+
+from .ray_session import (DEFAULT_OBJECT_STORE_MEMORY, _probe, _remove_session_root, _warn_once, closed_ray_instance,
+                          cluster_requires_auth, ray_init_kwargs)
+from .weight_sync import ObjectStoreWeightSyncScheme
 
 __all__ = [
-    "ObjectStoreWeightSyncScheme",
     "RayEnvCollector",
     "LocalEnvCollector",
     "ServedPolicyCollector",
-    "check_ray",
-    "closed_ray_instance",
-    "cluster_requires_auth",
     "make_local_collector",
     "make_ray_collector",
-    "ray_init_kwargs",
 ]
 
 log = logging.getLogger("torchrl_oni.train")
-
-DEFAULT_OBJECT_STORE_MEMORY = 200 * 2**20  # bytes; batches are a few MB, weights under 1 MB
-_ADDRESS = re.compile(r"^(auto|[^\s:/]+:\d{1,5})$")
-
-
-def check_ray(ray_address: Optional[str]) -> None:
-    """The Ray backend's check: a well-formed address, and Ray installed."""
-    if ray_address is not None and not _ADDRESS.match(ray_address):
-        raise ValueError(f"--ray-address {ray_address!r}: expected auto or HOST:PORT")
-    try:
-        import ray
-    except ImportError:
-        raise ValueError("--backend ray needs Ray: pip install 'torchrl_oni[ray]'") from None
-    if not _has_token_auth():
-        raise ValueError(f"--backend ray needs a Ray with token authentication (2.52 or later), not "
-                         f"{getattr(ray, '__version__', '?')}: without it anyone who reaches its ports can run code "
-                         f"in the run; pip install 'ray[default]>=2.52'")
-
-
-def _has_token_auth() -> bool:
-    """Whether the installed Ray has token authentication (``RAY_AUTH_MODE=token``, Ray 2.52+)."""
-    try:
-        from ray._raylet import AuthenticationMode  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-"""Ray's switch to a local-only instance (``0``): every node address is 127.0.0.1, so its gRPC
-servers (GCS, raylet, workers) and agents bind the loopback only. Read by Ray when it starts its
-processes (and by :func:`ray._private.services.get_node_ip_address` at import), hence set in the
-environment the Ray processes inherit."""
-
-_warned: set = set()
-
-
-def _warn_once(key: str, message: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message, *args)
-
-
-def _token_file() -> Optional[Path]:
-    """The file Ray reads its token from here (``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``),
-    None when ``RAY_AUTH_TOKEN`` gives the token itself."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return None
-    given = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    return Path(given) if given else Path.home() / ".ray" / "auth_token"
-
-
-def _private_token_file() -> None:
-    """A token file only its owner reads: Ray writes ``~/.ray/auth_token`` with the umask's mode
-    (0644 usually), which other users of the machine can read. Made here with mode 0600 when
-    missing (Ray's own generator), tightened to 0600 when it is ours and looser."""
-    path = _token_file()
-    if path is None:
-        return
-    try:
-        if not path.exists():
-            try:
-                from ray._private.authentication.authentication_token_generator import (
-                    generate_new_authentication_token,
-                )
-                token = generate_new_authentication_token()
-            except ImportError:  # a Ray that generates its tokens elsewhere
-                import secrets
-
-                token = secrets.token_hex(32)
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(token)
-            log.info("Ray: a new token for the run's Ray instance in %s (mode 0600)", path)
-            return
-        info = path.stat()
-        if info.st_uid == os.getuid() and info.st_mode & 0o077:
-            path.chmod(0o600)
-            log.info("Ray: %s was readable by others (mode %o); now 0600", path, stat.S_IMODE(info.st_mode))
-    except OSError as err:  # a read-only home: Ray's own handling decides
-        log.warning("Ray: cannot make the token file %s private (%s)", path, err)
-
-
-def _session_root() -> str:
-    """A private folder (0700) for the run's Ray session; short, since Ray's Unix socket paths
-    under it must stay below 108 characters."""
-    base = tempfile.gettempdir()
-    return tempfile.mkdtemp(prefix="oni-ray-", dir=base if len(base) <= 40 else "/tmp")
-
-
-@contextlib.contextmanager
-def closed_ray_instance():
-    """Around the ``ray.init`` that starts a run's own Ray instance: closed by default.
-
-    * every Ray process binds 127.0.0.1 (:data:`LOCAL_ONLY_ENV` for the processes Ray starts,
-      Ray's ``ENABLE_RAY_CLUSTER`` flag for this one; both restored on exit, once Ray's processes
-      have them): without it GCS, raylet and workers listen on every interface and the agents
-      on the node's address;
-    * token authentication on (``RAY_AUTH_MODE=token``, as Ray 2.60 does for a new instance
-      and 2.52 does not), with a private token file (:func:`_private_token_file`), unless
-      ``RAY_AUTH_MODE`` says otherwise (then a warning);
-    * yields a folder inside a private one (0700) to pass as ``_temp_dir``: Ray makes its temp
-      folder world-writable (``/tmp/ray`` is 0777 without the sticky bit), its sockets and logs
-      included, and the private parent keeps other users out. The caller removes the parent
-      after ``ray.shutdown()``.
-    """
-    import ray._private.ray_constants as ray_constants
-
-    saved_env, saved_flag = os.environ.get(LOCAL_ONLY_ENV), getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
-    os.environ[LOCAL_ONLY_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    mode = os.environ.get("RAY_AUTH_MODE")
-    if mode is None:
-        os.environ["RAY_AUTH_MODE"] = "token"  # kept: this process talks to the instance with it
-        try:
-            from ray._raylet import Config
-
-            Config.initialize("")  # Ray reads the mode from its config, made at import
-        except (ImportError, AttributeError):
-            pass
-    elif mode.lower() != "token":
-        _warn_once("auth-mode", "Ray: the run's Ray instance starts without token authentication (RAY_AUTH_MODE=%s): "
-                   "any user of this machine can run code in it; unset RAY_AUTH_MODE or set it to token", mode)
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-        _private_token_file()
-    root = _session_root()
-    try:
-        yield os.path.join(root, "ray")
-    finally:
-        if saved_env is None:
-            os.environ.pop(LOCAL_ONLY_ENV, None)
-        else:
-            os.environ[LOCAL_ONLY_ENV] = saved_env
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-
-
-_AUTH_PROBE = """
-import sys
-from ray._private.services import canonicalize_bootstrap_address
-from ray._raylet import GcsClient
-# HOST:PORT as given (Ray would turn 127.0.0.1 into this node's address); 'auto' from Ray's address file
-address = sys.argv[1] if sys.argv[1] != "auto" else canonicalize_bootstrap_address("auto")
-try:
-    GcsClient(address=address).internal_kv_get(b"oni-auth-probe", namespace=None, timeout=5)
-except Exception as err:
-    print("refused" if "auth" in (type(err).__name__ + str(err)).lower() else "unknown")
-else:
-    print("open")
-"""
-
-
-def cluster_requires_auth(ray_address: str, timeout: float = 30.0) -> Optional[bool]:
-    """Whether the Ray cluster at ``ray_address`` refuses a client without its token: True
-    (refused), False (it answered one: anyone who reaches its port can run code on it), None (no
-    answer either way). Asks its GCS from a child process with ``RAY_AUTH_MODE=disabled`` and no
-    token (Ray keeps one authentication mode per process)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    env["RAY_AUTH_MODE"] = "disabled"
-    try:
-        done = subprocess.run([sys.executable, "-c", _AUTH_PROBE, ray_address], env=env, capture_output=True,
-                              text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    answer = done.stdout.strip().splitlines()[-1:] or [""]
-    return {"refused": True, "open": False}.get(answer[0])
-
-
-def _probe(ray_address: Optional[str], timeout: float = 10.0) -> None:
-    """Fails fast on a HOST:PORT where nothing listens: ``ray.init`` retries such an address for
-    minutes before giving up."""
-    if ray_address is None or not re.match(r"^[^\s:/]+:\d+$", ray_address):
-        return
-    host, port = ray_address.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as err:
-        raise ConnectionError(f"--ray-address {ray_address}: nothing answers there ({err}); is the head started "
-                              f"(ray start --head --port {port})?") from None
-
-
-def ray_init_kwargs(ray_address: Optional[str], num_cpus: float,
-                    object_store_memory: int = DEFAULT_OBJECT_STORE_MEMORY) -> Dict[str, Any]:
-    """``ray.init`` arguments: join a cluster, or start a Ray instance sized for ``num_cpus``.
-
-    A Ray instance started for the run offers exactly the CPUs its actors reserve (no
-    oversubscription of a small machine), a small object store and no dashboard, and its node
-    address is 127.0.0.1 (with :func:`closed_ray_instance` around ``ray.init``, every port it
-    opens is on the loopback). A cluster's sizes belong to its ``ray start`` commands, so joining
-    one passes only the address.
-
-    Example:
-        >>> ray_init_kwargs(None, num_cpus=2)["num_cpus"], ray_init_kwargs("auto", 2)["address"]
-        (2, 'auto')
-        >>> ray_init_kwargs(None, num_cpus=2)["_node_ip_address"]
-        '127.0.0.1'
-    """
-    common = dict(log_to_driver=True, logging_level=logging.WARNING)
-    if ray_address is not None:
-        return dict(address=ray_address, **common)
-    return dict(num_cpus=num_cpus, num_gpus=0, object_store_memory=int(object_store_memory),
-                include_dashboard=False, _node_ip_address="127.0.0.1", **common)
-
-
-# ---------------------------------------------------------------------------------- weights
-class _ActorTransport:
-    """One actor's end of :class:`ObjectStoreWeightSyncScheme`: queues a weight update on it."""
-
-    def __init__(self, actor):
-        self.actor = actor
-
-    def send_weights(self, weights_ref) -> Any:
-        return self.actor.update_policy_weights_.remote(weights_ref)
-
-    def setup_connection_and_weights_on_sender(self) -> None:
-        pass  # nothing to connect: the first update carries the weights
-
-    def setup_connection_and_weights_on_receiver(self, **kwargs) -> None:
-        return None
-
-
-class ObjectStoreWeightSyncScheme(WeightSyncScheme):
-    """TorchRL weight sync for Ray actors through Ray's object store, without waiting.
-
-    ``send`` puts the weights in the object store once and queues one
-    ``update_policy_weights_(ref)`` call per actor (TorchRL's own ``Collector`` method: it copies
-    them into the actor's policy in place). A Ray actor runs its calls in the order they were
-    submitted, so an actor busy with a rollout applies the update right after it, before its next
-    one; the learner never waits. Updates that failed because their actor died are dropped
-    (the collector re-sends :attr:`latest` with the actor's first rollout after its restart);
-    any other failure, e.g. weights that do not fit the policy, is raised at the next ``send``.
-
-    Args:
-        strategy: ``"tensordict"`` (TorchRL's default weight format).
-    """
-
-    def __init__(self, strategy: str = "tensordict"):
-        super().__init__(strategy)
-        self.latest = None  # ObjectRef of the last weights sent
-        self._in_flight: List[Any] = []
-
-    def create_transport(self, *, remote_actor=None, **kwargs) -> _ActorTransport:
-        return _ActorTransport(remote_actor)
-
-    def _init_on_sender_impl(self, model_id: str, context: Any = None, **kwargs) -> None:
-        self.model_id = model_id
-        actors = kwargs.get("remote_collectors")
-        if actors is None and context is not None:
-            actors = context.remote_collectors
-        if not actors:
-            raise ValueError("ObjectStoreWeightSyncScheme needs the remote collectors (Ray actors)")
-        for idx, actor in enumerate(actors):
-            self._register_worker_sender(worker_idx=idx, transport=self.create_transport(remote_actor=actor))
-        if context is not None:
-            self.context = context
-        if kwargs.get("model") is not None:
-            self.model = kwargs["model"]
-
-    def _init_on_receiver_impl(self, model_id: str, context: Any = None, **kwargs) -> None:
-        self.model_id = model_id  # the actor's Collector.update_policy_weights_ applies the weights
-
-    def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx=None) -> None:
-        pass
-
-    def forget(self, worker_idx: int) -> None:
-        """Stops sending to a worker that is gone for good."""
-        if self._sender_transports is not None:
-            self._sender_transports.pop(worker_idx, None)
-
-    def send(self, weights: Any = None, worker_ids=None) -> None:
-        import ray
-
-        if not self.synchronized_on_sender:
-            raise RuntimeError("Must be synchronized on sender before sending weights")
-        weights = self.prepare_weights(weights=weights, model_id=self._model_id, strategy=self._strategy,
-                                       context=self.context)
-        if weights is None:
-            raise RuntimeError("no weights to send: pass them, or give the scheme a model")
-        if isinstance(weights, TensorDictBase):
-            weights = weights.data.cpu()
-        self._reap()
-        self.latest = ray.put(weights)
-        if isinstance(worker_ids, int):
-            worker_ids = [worker_ids]
-        targets = sorted(self._sender_transports or {}) if worker_ids is None else worker_ids
-        for idx in targets:
-            transport = (self._sender_transports or {}).get(idx)
-            if transport is not None:
-                self._in_flight.append(transport.send_weights(self.latest))
-
-    def _reap(self) -> None:
-        """Collects finished updates: actor deaths are the collector's business, the rest raises."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        if not self._in_flight:
-            return
-        done, self._in_flight = ray.wait(self._in_flight, num_returns=len(self._in_flight), timeout=0)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except RayActorError:
-                pass
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        self._in_flight = []
-        self.latest = None
-
-    def __getstate__(self):
-        state = super().__getstate__()
-        state["latest"] = None
-        state["_in_flight"] = []
-        state["_sender_transports"] = None
-        return state
 
 
 # ---------------------------------------------------------------------------------- actors
@@ -596,14 +273,6 @@ class RayEnvCollector(RayCollector):
             log.warning("could not stop the Ray env workers cleanly (%s)", _short(err))
             self._runtime_lease.release()
         _remove_session_root(getattr(self, "session_root", None))
-
-
-def _remove_session_root(root: Optional[str]) -> None:
-    """Removes the private folder of a run's own Ray instance once that instance is stopped."""
-    import ray
-
-    if root and not ray.is_initialized():
-        shutil.rmtree(root, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------- served acting

@@ -60,7 +60,7 @@ from ..atomic import atomic_write
 from ..captions import (CAPTION_HASH_KEY, INTRINSIC_REWARD_KEY, MESSAGE_KEY, MESSAGE_LEN, RUN_COUNT_KEY,
                         decode_message)
 from ..rewards.scaling import RunMessageCounts
-from ..reward_hacking import APPROVED_WINDOW, REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
+from ..reward_hacking.tally import APPROVED_WINDOW, REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
 from ..run_folder import TOP_MESSAGES_NAME
 from .background_rounds import BackgroundRounds
 from .hooks import TrainHook
