@@ -30,6 +30,7 @@ import math
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
@@ -224,13 +225,109 @@ def collector_overhead(args) -> Optional[dict]:
     return out
 
 
+SHIPPED_LABELS = Path(__file__).parent / "labels" / "staircase-lvl3_qwen2.5-coder-0.5b.jsonl.gz"
+
+
+def real_captions(n: int, seed: int = 0) -> List[str]:
+    """``n`` captions drawn at random from the shipped labels file (the captions agents meet)."""
+    import gzip
+    import random
+
+    if n <= 0 or not SHIPPED_LABELS.is_file():
+        return []
+    with gzip.open(SHIPPED_LABELS, "rt") as f:
+        rows = [json.loads(line) for line in f][1:]
+    return random.Random(seed).sample([r["caption"] for r in rows], min(n, len(rows)))
+
+
+def compare_paths(args) -> int:
+    """The reference dtype against ``--compare-dtype`` in one run: speed, agreement, AUC."""
+    from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS
+    from torchrl_oni.serve.embedded import start_embedded_server
+
+    sets = {"hand_labelled": [m for m, _ in LABELLED],
+            "judge_probe": list(dict.fromkeys([*NOT_PROGRESS, *PROGRESS["default"]])),
+            "real_captions": real_captions(args.real_captions)}
+    paths = {"reference": args.dtype, "candidate": args.compare_dtype}
+    servers, result = {}, {"model": None, "threads": args.threads, "batch": args.compare_batch}
+    try:
+        for role, dtype in paths.items():
+            t0 = time.perf_counter()
+            servers[role] = start_embedded_server(args.model, port=0, threads=args.threads, dtype=dtype)
+            engine = servers[role].server.engine
+            result[f"{role}_engine"] = type(engine).__name__
+            result[f"{role}_dtype"] = getattr(getattr(engine, "loaded", None), "dtype", dtype)
+            result[f"{role}_startup_s"] = round(time.perf_counter() - t0, 1)
+            result["model"] = servers[role].model
+        scores = {}
+        for role, srv in servers.items():
+            async def score_all(url=srv.url, model=srv.model):
+                async with _session() as session:
+                    out = {}
+                    for name, msgs in sets.items():
+                        out[name] = []
+                        for start in range(0, len(msgs), args.compare_batch):
+                            out[name] += await _score(session, url, model, msgs[start:start + args.compare_batch])
+                    return out
+            scores[role] = asyncio.run(score_all())
+        labels = [y for _, y in LABELLED]
+        for role in paths:
+            filled = [0.5 if s is None else s for s in scores[role]["hand_labelled"]]
+            result[f"{role}_auc"] = round(auc(filled, labels), 4)
+        agree_all, total = 0, 0
+        for name in sets:
+            pairs = [(a, b) for a, b in zip(scores["reference"][name], scores["candidate"][name])]
+            same = sum((a is not None and b is not None and (a >= 0.5) == (b >= 0.5)) for a, b in pairs)
+            result[f"agreement_{name}"] = round(same / max(len(pairs), 1), 4)
+            result[f"n_{name}"] = len(pairs)
+            result[f"max_score_change_{name}"] = round(max((abs(a - b) for a, b in pairs
+                                                            if a is not None and b is not None), default=0), 4)
+            if name != "real_captions":
+                agree_all, total = agree_all + same, total + len(pairs)
+        result["agreement_vs_reference"] = round(agree_all / max(total, 1), 4)
+        rates = {role: [] for role in paths}
+        for _ in range(args.rounds):
+            for role, srv in servers.items():
+                rate, _ = asyncio.run(_throughput(srv.url, srv.model, args.compare_batch,
+                                                  args.seconds / (2 * args.rounds)))
+                rates[role].append(round(rate, 2))
+        for role in paths:
+            result[f"{role}_captions_per_s"] = rates[role]
+        med = {role: sorted(r)[len(r) // 2] for role, r in rates.items()}
+        result["speedup_vs_reference"] = round(med["candidate"] / med["reference"], 3)
+        result["auc_change"] = round(result["candidate_auc"] - result["reference_auc"], 4)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    print(f"{result['model']}, {args.threads} threads, {args.compare_batch} prompts per request, "
+          f"{args.rounds} alternating rounds")
+    print(f"{'path':<11} {'engine':<20} {'dtype':<9} {'captions/s (rounds)':<28} {'AUC':>6}")
+    for role in paths:
+        print(f"{role:<11} {result[role + '_engine']:<20} {result[role + '_dtype']:<9} "
+              f"{', '.join(map(str, result[role + '_captions_per_s'])):<28} {result[role + '_auc']:>6.3f}")
+    print(f"speedup (medians) {result['speedup_vs_reference']:.2f}x; same label on "
+          + ", ".join(f"{result['agreement_' + n]:.1%} of {result['n_' + n]} {n.replace('_', ' ')}" for n in sets))
+    print(json.dumps(result))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="total time budget")
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="packaged model (e.g. smollm2, qwen)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the model")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "int8"))
+    parser.add_argument("--compare-dtype", default=None, choices=("int8", "bfloat16", "float32"),
+                        help="instead of the rows below: serve the model in --dtype (the reference) "
+                             "and in this dtype in the same run, alternate --rounds throughput "
+                             "rounds at --compare-batch prompts, and compare their labels")
+    parser.add_argument("--rounds", type=int, default=3, help="with --compare-dtype: rounds per path")
+    parser.add_argument("--compare-batch", type=int, default=32,
+                        help="with --compare-dtype: prompts per request")
+    parser.add_argument("--real-captions", type=int, default=300,
+                        help="with --compare-dtype: captions drawn from the shipped labels file "
+                             "for the agreement (0: none)")
     parser.add_argument("--batches", default="1,8,32,100", help="prompts per request")
     parser.add_argument("--no-accuracy", action="store_true")
     parser.add_argument("--collector-seconds", type=float, default=None,
@@ -259,6 +356,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torchrl_oni.serve.embedded import start_embedded_server
     from torchrl_oni.serve.models import ModelNotInstalledError
 
+    if args.compare_dtype:
+        try:
+            return compare_paths(args)
+        except (ValueError, ModelNotInstalledError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if args.collector_seconds is None:
         args.collector_seconds = args.seconds / 3
         args.seconds -= args.collector_seconds
@@ -296,8 +399,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 result.update({k: round(v, 3) for k, v in asyncio.run(_accuracy(srv.url, srv.model)).items()})
             for b in batches:
                 rates[b], _ = asyncio.run(_throughput(srv.url, srv.model, b, model_share))
-            cache = srv.server.engine.prefix_cache
-            result["prefix_cache_hits"] = cache.hits
+            cache = getattr(srv.server.engine, "prefix_cache", None)  # int8: CTranslate2's own
+            if cache is not None:
+                result["prefix_cache_hits"] = cache.hits
     result["rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     result["captions_per_s"] = {str(b): round(r, 2) for b, r in rates.items()}
     result["scripted_captions_per_s"] = {str(b): round(r, 1) for b, r in baseline.items()}

@@ -323,10 +323,10 @@ MemberProbs = Callable[[torch.Tensor], torch.Tensor]
 class SelectiveClaim:
     """``store.claim`` under a budget and a selection rule: hand it to ``AnnotationWorker``.
 
-    Each call claims the ``pool_size`` most-seen claimable captions from the store (marking
-    them pending), keeps the ``max_items`` best under ``rule`` that the budget allows, and
-    releases the rest back to unseen — so a caption is never lost and the store's retry and
-    backoff rules keep applying. With ``rule="frequency"`` and no budget it behaves like
+    Each call claims the first ``pool_size`` claimable captions in the store's order (its
+    ``claim_order``, ``oni-train --claim-order``), marking them pending, keeps the ``max_items``
+    best under ``rule`` that the budget allows, and releases the rest back to unseen — so a
+    caption is never lost and the store's retry and backoff rules keep applying. With ``rule="frequency"`` and no budget it behaves like
     ``store.claim``. Every rule chooses within that pool (``fifo``: oldest of the pool by row
     slot; ``uniform``: a random member of it), which keeps a call cheap on a large backlog.
 
@@ -413,8 +413,8 @@ class SelectiveClaim:
         hashes, texts = self.store.claim(pool)
         if not texts:
             return hashes, texts
-        # store.claim hands out the most-seen first: its position is a frequency rank; a caption's
-        # row slot is its arrival order (fifo)
+        # store.claim hands out in its claim order (most seen, or most seen per caption first seen
+        # since): its position is the frequency rank; a caption's row slot is its arrival order (fifo)
         slots = getattr(self.store, "slots", None)
         order = torch.as_tensor(slots(hashes)).reshape(-1) if callable(slots) else torch.arange(len(texts))
         cands = {"order": order, "times_seen": -torch.arange(len(texts), dtype=torch.float64)}

@@ -4,9 +4,20 @@ Usage::
 
     oni-serve                                   # embedded CPU model (qwen2.5-coder-0.5b-instruct)
     oni-serve --model smollm2 --port 0          # small model, any free port
+    oni-serve --model ~/models/my-judge         # your judge: a transformers checkpoint folder,
+    oni-serve --model ./judge.Q4_K_M.gguf       #   a GGUF file (converted once, then cached)
+    oni-serve --model Qwen/Qwen2.5-1.5B-Instruct  # or a Hugging Face hub id (fetched once)
     oni-serve --backend scripted                # rules, no model (tests, overhead benchmarks)
     ONI_SERVE_API_KEY=... oni-serve --backend vllm --model /models/Llama-3.1-8B-Instruct \\
         --host 0.0.0.0 --served-model-name Meta-Llama-3.1-8B-Instruct -- --dtype float16
+
+Your own judge (embedded backend): ``--model`` takes a transformers checkpoint directory, loaded
+as it is (served as the directory's name), a GGUF file (served as its name without ``.gguf``),
+converted once into a dense copy under the cache (``$TORCHRL_ONI_CACHE``, else
+``~/.cache/torchrl_oni``) and loaded from there after, or a Hugging Face hub id, fetched into the
+cache's ``hub/`` folder when the hub can be reached (a fetched one also offline). Their sha256 is
+printed (a directory's is computed once and remembered by path, size and mtime); details in
+:mod:`torchrl_oni.serve.models`. ``--served-model-name`` changes the name clients send.
 
 Once the server answers ``/v1/models``, the base URL (``http://HOST:PORT/v1``) is printed alone on
 stdout (pass it to ``oni-train --llm-url``); messages go to stderr. The default port is 8000, the
@@ -36,14 +47,18 @@ has ``--read-timeout`` seconds to send its request, and bodies over ``--max-body
 
 Ctrl-C, SIGTERM or SIGHUP stop it at any time, also while a model loads or vLLM starts; vLLM's
 whole process group is stopped with it (and on Linux vLLM gets SIGTERM if oni-serve is killed).
-A requested stop exits with status 0. Every error — a bad flag, an unknown model, a missing
-package, vLLM failing to start — is one line ``oni-serve: error: ...`` and exit status 2.
+A requested stop exits with status 0. Every error — a bad flag, an unknown model, a model path
+that does not hold a model, an unreachable hub, a missing package, vLLM failing to start — is one
+line ``oni-serve: error: ...`` and exit status 2.
 
 Example:
     >>> from torchrl_oni.serve.cli import build_parser
     >>> args = build_parser().parse_args(["--backend", "scripted", "--port", "0"])
     >>> args.backend, args.port, args.host
     ('scripted', 0, '127.0.0.1')
+    >>> args = build_parser().parse_args(["--model", "/models/my-judge", "--served-model-name", "judge"])
+    >>> args.backend, args.model, args.served_model_name
+    ('embedded', '/models/my-judge', 'judge')
 """
 from __future__ import annotations
 
@@ -84,11 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Packaged models: {models}.",
     )
     parser.add_argument("--backend", choices=("embedded", "vllm", "scripted"), default="embedded",
-                        help="embedded: a packaged CPU model; vllm: launch a vLLM server; "
+                        help="embedded: a CPU model (packaged, or yours: --model); vllm: launch a vLLM server; "
                              "scripted: keyword rules, no model (default: embedded)")
     parser.add_argument("--model", default=None,
-                        help=f"embedded: a packaged model name (default {DEFAULT_MODEL}); "
-                             "vllm: a model path or id (required)")
+                        help=f"embedded: a packaged model name (default {DEFAULT_MODEL}), a "
+                             "transformers checkpoint directory, a .gguf file or a Hugging Face hub "
+                             "id; vllm: a model path or id (required)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients send as 'model' (default: the model's name)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -109,9 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "only: anyone who reaches the port can use the model)")
     parser.add_argument("--threads", type=_thread_count, default=None,
                         help="torch threads for the embedded model (default: torch's choice)")
-    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32", "int8"), default="auto",
                         help="embedded model dtype; auto = bfloat16 where the CPU has native "
-                             "bf16 (AMX/AVX512-BF16), else float32")
+                             "bf16 (AMX/AVX512-BF16), else float32; int8 = CTranslate2's int8 "
+                             "kernels (converted once; the float path with a warning where it "
+                             "cannot run)")
     parser.add_argument("--max-tokens-cap", type=_positive_int, default=128,
                         help="most tokens generated per prompt by the embedded model (default 128)")
     parser.add_argument("--max-queue", type=_positive_int, default=None, metavar="N",
@@ -330,10 +348,10 @@ def _serve_embedded(args, api_key: Optional[str], signals: _StopSignals) -> None
     from torchrl_oni.serve.vllm import wait_for_model
 
     if args.backend == "embedded":
-        from torchrl_oni.serve.models import resolve_model
+        from torchrl_oni.serve.models import find_model
 
-        try:
-            resolve_model(args.model or DEFAULT_MODEL)
+        try:  # a path is checked here, a hub id fetched by the loader below
+            find_model(args.model or DEFAULT_MODEL, download=False)
         except ValueError as err:
             fail(PROG, str(err))
         print(f"{PROG}: loading {args.model or DEFAULT_MODEL} ...", file=sys.stderr, flush=True)
@@ -379,6 +397,10 @@ def _serve_embedded(args, api_key: Optional[str], signals: _StopSignals) -> None
             wait_for_model(handle.url, handle.model, timeout=30, api_key=api_key)
         except TimeoutError as err:
             fail(PROG, str(err))
+        spec = getattr(getattr(handle.server.engine, "loaded", None), "spec", None)
+        if spec is not None and spec.kind != "packaged":
+            checksum = f"sha256 {spec.sha256}" if spec.sha256 else "not hashed"
+            print(f"{PROG}: {spec.description}, {checksum}", file=sys.stderr, flush=True)
         print(handle.url, flush=True)
         print(_serving_message(handle.model, api_key), file=sys.stderr, flush=True)
         _wait_forever()

@@ -112,12 +112,14 @@ def start_embedded_server(
     """Loads the model and serves it in a background thread; returns once it accepts requests.
 
     Args:
-        model: a packaged model name or alias (default :data:`~torchrl_oni.serve.models.DEFAULT_MODEL`);
-            ignored by the scripted backend.
-        backend: ``"embedded"`` (a packaged model) or ``"scripted"`` (rules, no model).
+        model: a packaged model name or alias (default :data:`~torchrl_oni.serve.models.DEFAULT_MODEL`),
+            a transformers checkpoint directory, a GGUF file or a Hugging Face hub id
+            (:func:`~torchrl_oni.serve.models.find_model`); ignored by the scripted backend.
+        backend: ``"embedded"`` (a CPU model) or ``"scripted"`` (rules, no model).
         host, port: where to listen; port 0 picks a free port (read it from ``.url``).
         threads: torch threads for the model (``None``: torch's default).
-        dtype: ``"auto"``, ``"bfloat16"`` or ``"float32"``.
+        dtype: ``"auto"``, ``"bfloat16"``, ``"float32"`` or ``"int8"`` (CTranslate2,
+            :mod:`torchrl_oni.serve._int8`; the float path with one warning where it cannot run).
         served_name: the name clients use (default: the model's name).
         max_tokens_cap: the most tokens generated per prompt.
         max_batch: the most prompts per forward pass.
@@ -136,7 +138,8 @@ def start_embedded_server(
 
     Raises:
         ValueError: unknown backend, or a reachable ``host`` without ``api_key`` (checked
-            before the model loads).
+            before the model loads); a model path or id that cannot be loaded
+            (:class:`~torchrl_oni.serve.models.ModelSourceError`).
     """
     check_exposure(host, api_key, insecure_no_auth)
     engine = make_engine(backend, model, dtype=dtype, threads=threads,
@@ -150,7 +153,8 @@ def start_embedded_server(
 
 
 def start_embedded_process(model: Optional[str] = None, *, threads: Optional[int] = None,
-                           startup_timeout: float = 900.0, log_path: Optional[str] = None):
+                           dtype: str = "auto", startup_timeout: float = 900.0,
+                           log_path: Optional[str] = None):
     """The embedded server in a child process of its own (``python -m torchrl_oni.serve``).
 
     Why a process: a model served from a thread of the training process shares that process's
@@ -158,19 +162,31 @@ def start_embedded_process(model: Optional[str] = None, *, threads: Optional[int
     minute; a process of its own gets its share of the cores from the OS. The child stops with
     its parent (process group, ``PR_SET_PDEATHSIG``), as vLLM does under :class:`VLLMServer`.
 
+    ``model`` is what :func:`start_embedded_server` takes; a packaged name or a hub id is served
+    under that name, a local directory or GGUF file under its own name (its absolute path goes to
+    the child). ``threads`` and ``dtype`` are :func:`start_embedded_server`'s.
+
     Returns:
-        A started :class:`~torchrl_oni.serve.vllm.VLLMServer` with ``.url``, ``.model``, ``.stop()``.
+        A started :class:`~torchrl_oni.serve.vllm.VLLMServer` with ``.url``, ``.model`` (the
+        served name), ``.stop()``.
 
     Raises:
+        ValueError: a model path that does not hold a model, or an impossible id (checked here,
+            before the process starts; :class:`~torchrl_oni.serve.models.ModelSourceError`).
         VLLMLaunchError: the process exited or did not answer within ``startup_timeout``.
     """
     import sys
 
-    from torchrl_oni.serve.models import DEFAULT_MODEL
+    from torchrl_oni.serve.models import DEFAULT_MODEL, find_model
     from torchrl_oni.serve.vllm import VLLMServer
 
-    name = model or DEFAULT_MODEL
-    return VLLMServer(name, port=0, served_model_name=name,
-                      launcher=[sys.executable, "-m", "torchrl_oni.serve", "--backend", "embedded"],
-                      extra_args=["--threads", str(threads)] if threads else [],
-                      startup_timeout=startup_timeout, log_path=log_path).start()
+    name = served = model or DEFAULT_MODEL
+    spec = find_model(name, download=False)
+    if spec.path is not None:  # a local model: the child may not share our working directory
+        name, served = str(spec.path), spec.name
+    server = VLLMServer(name, port=0, served_model_name=served,
+                        launcher=[sys.executable, "-m", "torchrl_oni.serve", "--backend", "embedded"],
+                        extra_args=(["--threads", str(threads)] if threads else []) + ["--dtype", dtype],
+                        startup_timeout=startup_timeout, log_path=log_path)
+    server.model = served  # what clients send, as ServerHandle.model (the path is in .command)
+    return server.start()

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ._completion import PROMPT_BYTES_PER_TOKEN, AliveFn, Completion, common_prefix_len, eos_ids, prompt_ids
 
 __all__ = [
     "Completion",
@@ -31,37 +33,6 @@ __all__ = [
 ]
 
 SCRIPTED_MODEL_NAME = "scripted"
-
-
-@dataclass
-class Completion:
-    """One prompt's answer from an engine.
-
-    ``top_logprobs[i]`` lists ``(token, logprob)`` candidates at generated position ``i`` (empty
-    when logprobs were not asked for). ``finish_reason`` is ``"stop"`` or ``"length"`` as in the
-    OpenAI API, ``"abort"`` when generation was skipped or cut because nobody waits for the
-    answer any more (see ``alive`` in :meth:`TransformersEngine.complete`), or ``"error"`` when
-    the engine refused the prompt; ``error`` then says why (the server answers 400).
-    """
-
-    text: str
-    tokens: List[str] = field(default_factory=list)
-    token_logprobs: List[float] = field(default_factory=list)
-    top_logprobs: List[List[Tuple[str, float]]] = field(default_factory=list)
-    finish_reason: str = "stop"
-    prompt_tokens: int = 0
-    error: Optional[str] = None
-
-
-# Engines take ``alive``: None, or a callable returning one flag per prompt, False once that
-# prompt's client has gone away (called from the engine thread between model steps).
-AliveFn = Optional[Callable[[], Sequence[bool]]]
-
-# A prompt longer than ``context × PROMPT_BYTES_PER_TOKEN`` UTF-8 bytes is refused before it is
-# tokenised (tokenising megabytes takes seconds of the engine thread). Text averages about 4
-# bytes per token; only long runs of one character ('#', spaces) pack more, so no prompt the
-# server is meant for comes near this bound.
-PROMPT_BYTES_PER_TOKEN = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,14 +142,6 @@ def _select(alive: Callable[[], Sequence[bool]], rows: Sequence[int]) -> Callabl
     return selected
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class _PrefixCache:
     """A few cached key/value tensors of prompt prefixes (batch 1), reused across batches.
 
@@ -196,7 +159,7 @@ class _PrefixCache:
     def best(self, prefix: Sequence[int]) -> Tuple[Optional[Tuple[int, ...]], int]:
         best_key, best_len = None, 0
         for key in self.entries:
-            n = _common_prefix_len(key, prefix)
+            n = common_prefix_len(key, prefix)
             if n > best_len:
                 best_key, best_len = key, n
         return best_key, best_len
@@ -244,13 +207,7 @@ class TransformersEngine:
         self.max_batch = max_batch
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
         self.max_prompt_bytes = self.max_context * PROMPT_BYTES_PER_TOKEN
-        eos = set()
-        for src in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
-            if isinstance(src, int):
-                eos.add(src)
-            elif src:
-                eos.update(int(x) for x in src)
-        self.eos_ids = eos
+        self.eos_ids = eos = eos_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = next(iter(eos)) if eos else 0
@@ -340,13 +297,10 @@ class TransformersEngine:
             if not live[i]:
                 results[i] = Completion(text="", finish_reason="abort")
                 continue
-            # Chat prompts already hold the template's special tokens.
-            ids = self.tokenizer(prompt, add_special_tokens=not chat).input_ids or [self.pad_id]
-            if len(ids) + max_new > self.max_context:
-                results[i] = Completion(
-                    text="", finish_reason="error", prompt_tokens=len(ids),
-                    error=f"prompt of {len(ids)} tokens plus {max_new} new tokens exceeds the "
-                          f"model's context of {self.max_context} tokens")
+            ids, refused = prompt_ids(self.tokenizer, prompt, chat=chat, max_new=max_new,
+                                      max_context=self.max_context, empty_id=self.pad_id)
+            if refused is not None:
+                results[i] = refused
                 continue
             rows.append(i)
             ids_list.append(ids)
@@ -365,7 +319,7 @@ class TransformersEngine:
         # The shared prefix runs once; every row keeps at least one token of its own.
         plen = min(len(ids) for ids in ids_list) - 1
         for ids in ids_list[1:]:
-            plen = min(plen, _common_prefix_len(ids_list[0], ids))
+            plen = min(plen, common_prefix_len(ids_list[0], ids))
         plen = max(plen, 0)
         prefix = tuple(ids_list[0][:plen])
         with torch.inference_mode():
@@ -451,7 +405,12 @@ class TransformersEngine:
 
 def make_engine(backend: str = "embedded", model: Optional[str] = None, *, dtype: str = "auto",
                 threads: Optional[int] = None, max_tokens_cap: int = 128):
-    """Builds the engine for ``backend`` (``"embedded"`` or ``"scripted"``)."""
+    """Builds the engine for ``backend`` (``"embedded"`` or ``"scripted"``).
+
+    ``dtype`` is ``"auto"``, ``"bfloat16"`` or ``"float32"`` (transformers), or ``"int8"``
+    (CTranslate2, :mod:`torchrl_oni.serve._int8`; the float path with one warning where it
+    cannot run).
+    """
     if backend == "scripted":
         return ScriptedEngine()
     if backend != "embedded":
@@ -459,5 +418,13 @@ def make_engine(backend: str = "embedded", model: Optional[str] = None, *, dtype
                          "choose embedded or scripted")
     from torchrl_oni.serve.models import DEFAULT_MODEL, load_model
 
-    loaded = load_model(model or DEFAULT_MODEL, dtype=dtype, threads=threads)
+    loaded = load_model(model or DEFAULT_MODEL, dtype="auto" if dtype == "int8" else dtype, threads=threads)
+    if dtype == "int8":
+        from torchrl_oni.serve._int8 import int8_engine
+
+        engine, reason = int8_engine(loaded, threads=threads, max_tokens_cap=max_tokens_cap)
+        if engine is not None:
+            return engine
+        warnings.warn(f"the int8 judge cannot run here: {reason}; serving {loaded.spec.name} in "
+                      f"{loaded.dtype} instead", RuntimeWarning, stacklevel=2)
     return TransformersEngine(loaded, max_tokens_cap=max_tokens_cap)

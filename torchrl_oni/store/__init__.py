@@ -36,7 +36,11 @@ labelling page, ``oni-label``) is never overwritten by a later non-human label o
 and return False for them (a person may still correct a person).
 
 Unseen captions are handed out most frequently seen first (``claim_order="most_seen"``), so
-the steps' coverage (``stats()["seen_coverage"]``) rises as fast as the server allows.
+the steps' coverage (``stats()["seen_coverage"]``) rises as fast as the server allows; first seen
+first (``"oldest"``); or most seen *per caption first seen since* (``"seen_rate"``, what
+``oni-train`` uses), so that what the agent has just started to see, and a rare caption's first
+sighting, need not wait behind thousands of older captions seen as often over a longer time
+(:data:`CLAIM_ORDERS`; what each costs and buys: ``benchmarks/queue_order.py``).
 ``release_pending`` (and :meth:`CaptionStore.load`) send pending captions back to unseen so no
 caption is lost when a run stops mid-annotation.
 
@@ -93,8 +97,9 @@ from torchrl_oni.store._queue import (
     WorkQueue,
 )
 from torchrl_oni.store.caption_store import CaptionStore
+from torchrl_oni.store.captions import CLAIM_ORDERS
 from torchrl_oni.store.status import FAILED, GIVEN_UP, LABELLED, PENDING, SKIPPED, STATUS_NAMES, UNSEEN, Status
 
-__all__ = ["CaptionStore", "WorkQueue", "RetryRules", "Status", "UNSEEN", "PENDING", "LABELLED", "FAILED", "GIVEN_UP", "SKIPPED", "HUMAN",
+__all__ = ["CaptionStore", "CLAIM_ORDERS", "WorkQueue", "RetryRules", "Status", "UNSEEN", "PENDING", "LABELLED", "FAILED", "GIVEN_UP", "SKIPPED", "HUMAN",
            "SKIP_ERROR", "is_parse_failure", "is_skip", "retry_delay", "waiting_slots", "MAX_RETRY_S",
            "MAX_SERVER_RETRY_S"]

@@ -16,7 +16,7 @@ from torchrl_oni.store._provenance import ProvenanceTable
 from torchrl_oni.store._queue import WorkQueue
 from torchrl_oni.store._snapshot import _SnapshotMethods
 from torchrl_oni.store._table import _HashIndex, _Table
-from torchrl_oni.store.captions import CAPTION_FIELDS, _CaptionMethods
+from torchrl_oni.store.captions import CAPTION_FIELDS, CLAIM_ORDERS, _CaptionMethods
 from torchrl_oni.store.pairs import PAIR_FIELDS, _PairMethods
 from torchrl_oni.store.rows import _RowMethods
 from torchrl_oni.store.status import FAILED, GIVEN_UP, LABELLED, PENDING, SKIPPED, UNSEEN, Status
@@ -41,9 +41,13 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
         server_retry_s (float): a caption whose request failed for a server reason ``k`` times
             in a row is handed out again after ``server_retry_s * 2 ** (k - 1)`` seconds (capped
             at 5 minutes), or as soon as :meth:`requeue_server_failures` is called.
-        claim_order (str): which unseen captions :meth:`claim` hands out first:
-            ``"most_seen"`` (default: the captions covering most steps are labelled first, ties
-            oldest-first) or ``"oldest"`` (insertion order).
+        claim_order (str): which unseen captions :meth:`claim` hands out first, one of
+            :data:`~torchrl_oni.store.CLAIM_ORDERS`: ``"most_seen"`` (default: the captions
+            covering most steps are labelled first, ties oldest-first), ``"oldest"`` (insertion
+            order) or ``"seen_rate"`` (most sightings per caption first seen since: what the
+            agent has started to see often, and new captions, before old ones seen as often
+            over a longer time). Saved with the store; ``oni-train --claim-order`` (whose
+            default is ``seen_rate``).
         pair_capacity (int): initial number of pair rows (doubles when full).
 
     **Copies and processes.** A store is a shared, thread-safe resource (like a file): it is
@@ -86,8 +90,8 @@ class CaptionStore(_CaptionMethods, _PairMethods, _RowMethods, _SnapshotMethods)
         pair_capacity: int = 4096,
         server_retry_s: float = 5.0,
     ):
-        if claim_order not in ("most_seen", "oldest"):
-            raise ValueError(f"claim_order must be 'most_seen' or 'oldest', got {claim_order!r}")
+        if claim_order not in CLAIM_ORDERS:
+            raise ValueError(f"claim_order must be one of {', '.join(map(repr, CLAIM_ORDERS))}, got {claim_order!r}")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self.storage_kind = storage

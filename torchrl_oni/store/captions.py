@@ -38,7 +38,7 @@ from torchrl_oni.captions import CAPTION_HASH_KEY, MESSAGE_KEY, MESSAGE_LEN, dec
 from torchrl_oni.store._table import ArrayLike, shape_of, to_numpy
 from torchrl_oni.store.status import FAILED, GIVEN_UP, LABELLED, UNSEEN
 
-__all__ = ["CAPTION_FIELDS"]
+__all__ = ["CAPTION_FIELDS", "CLAIM_ORDERS", "SEEN_RATE_PRIOR"]
 
 # name -> (dtype, per-row shape, fill value of a fresh row)
 CAPTION_FIELDS = {
@@ -53,8 +53,17 @@ CAPTION_FIELDS = {
 }
 
 
+# The orders in which claim hands out unseen captions (CaptionStore's claim_order)
+CLAIM_ORDERS = ("most_seen", "oldest", "seen_rate")
+# claim_order="seen_rate" ranks a caption by its sightings per caption first seen after it, as if
+# SEEN_RATE_PRIOR more had come: one sighting of a brand-new caption is weak evidence of a high
+# rate (500: ~24 s of new captions at the ~21/s of README's run; benchmarks/queue_order.py)
+SEEN_RATE_PRIOR = 500
+
+
 def _most_seen_first(cand: np.ndarray, seen: np.ndarray, k: int) -> np.ndarray:
-    """The ``k`` candidates seen most often, in that order; ties oldest (lowest slot) first.
+    """The ``k`` candidates seen most often (or of highest score ``seen``), in that order; ties
+    oldest (lowest slot) first.
 
     ``cand`` is sorted ascending. A partial sort keeps a claim cheap on a large backlog (the
     store's lock is held, and the trainer waits on it).
@@ -69,6 +78,24 @@ def _most_seen_first(cand: np.ndarray, seen: np.ndarray, k: int) -> np.ndarray:
         cand, seen = cand[keep], seen[keep]
     # lexsort: last key is primary -> by -times_seen, then by slot (oldest).
     return cand[np.lexsort((cand, -seen))]
+
+
+def _seen_rate_first(cand: np.ndarray, seen: np.ndarray, size: int, k: int,
+                     prior: float = SEEN_RATE_PRIOR) -> np.ndarray:
+    """``claim_order="seen_rate"``: the ``k`` candidates of most sightings per caption first seen
+    since their own first sighting, ``seen / (size - 1 - slot + prior)`` (slots follow first
+    sightings; ``size`` rows in all), in that order; ties oldest first.
+
+    A rate rather than a count: a caption the agent has just started to see often outranks an
+    old one seen as often over a longer time, and a new caption's first sighting outranks old
+    captions seen less than once per ``prior`` new ones. Same cost as :func:`_most_seen_first`.
+
+    Example (4 captions, the oldest first; with ``prior=2`` the newest one-off, slot 3, comes
+    before the older one, slot 2):
+        >>> _seen_rate_first(np.arange(4), np.array([6, 3, 1, 1]), 4, 4, prior=2).tolist()
+        [0, 1, 3, 2]
+    """
+    return _most_seen_first(cand, seen / (size - 1 - cand + float(prior)), k)
 
 
 class _CaptionMethods:
@@ -170,21 +197,41 @@ class _CaptionMethods:
 
         Candidates are unseen captions, including failed ones whose retry backoff has passed.
         With ``claim_order="most_seen"`` the most frequently seen come first (ties: oldest
-        first); with ``"oldest"``, insertion order.
+        first); with ``"oldest"``, insertion order; with ``"seen_rate"``, most sightings per
+        caption first seen since (:func:`_seen_rate_first`): of two captions seen as often, the
+        newer first.
+
+        Example:
+            >>> from torchrl_oni.captions import encode_messages
+            >>> from torchrl_oni.store import CaptionStore
+            >>> messages = encode_messages(["a", "b", "b", "c"])   # b seen twice; a, then c, once
+            >>> for order in ("most_seen", "oldest", "seen_rate"):
+            ...     store = CaptionStore(capacity=8, claim_order=order)
+            ...     _ = store.add(messages)
+            ...     print(order, store.claim(3)[1])
+            most_seen ['b', 'a', 'c']
+            oldest ['a', 'b', 'c']
+            seen_rate ['b', 'c', 'a']
 
         Returns:
             ``(hashes LongTensor[n], texts list[str])`` (texts decoded latin-1, NULs dropped).
         """
         with self._lock:
             cols = self._captions.cols
-
-            def most_seen(cand: np.ndarray, k: int) -> np.ndarray:
-                return _most_seen_first(cand, cols["times_seen"][cand], k)
-
-            cand = self._caption_queue.claim(max_items, most_seen if self.claim_order == "most_seen" else None)
+            cand = self._caption_queue.claim(max_items, self._claim_first)
             hashes = np.array(cols[CAPTION_HASH_KEY][cand])
             messages = np.array(cols[MESSAGE_KEY][cand])
         return torch.from_numpy(hashes), decode_messages(messages)
+
+    def _claim_first(self, cand: np.ndarray, k: int) -> np.ndarray:
+        """The ``k`` of the claimable slots ``cand`` (ascending) that :meth:`claim` hands out, in
+        order, by ``claim_order`` (lock held)."""
+        if self.claim_order == "oldest":
+            return cand[:k]
+        seen = self._captions.cols["times_seen"][cand]
+        if self.claim_order == "seen_rate":
+            return _seen_rate_first(cand, seen, self._captions.size, k, SEEN_RATE_PRIOR)
+        return _most_seen_first(cand, seen, k)
 
     def pending(self) -> torch.Tensor:
         """Hashes of the captions claimed but not yet labelled or failed."""

@@ -114,9 +114,9 @@ def start_llm(ann):
     name, threads = ann.llm_model or DEFAULT_MODEL, ann.embedded_threads or 1
     if ann.embedded_server == "process":
         log.info("starting the embedded LLM %s (a minute or two the first time) ...", name)
-        server = start_embedded_process(name, threads=threads)
+        server = start_embedded_process(name, threads=threads, dtype=ann.embedded_dtype)
     else:
-        server = start_embedded_server(model=name, threads=threads)
+        server = start_embedded_server(model=name, threads=threads, dtype=ann.embedded_dtype)
     return LLMEndpoint((server.url,), server.model), server
 
 

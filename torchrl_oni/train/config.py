@@ -86,6 +86,7 @@ from ..config_tree import (
 from ..annotators.prompts import GOALS
 from ..queries import RULES, SCHEDULES
 from ..run_folder import CONFIG_NAME
+from ..store import CLAIM_ORDERS
 from .annotator_types import annotator_names, get_annotator
 from .archs import ARCHS
 from .backends import backend_names, get_backend
@@ -182,7 +183,9 @@ class AnnotationConfig:
                                        "URLs form a pool (default: start the embedded CPU server)",
                                        default_factory=tuple, metavar="URL")
     llm_model: Optional[str] = setting(None, "served model name (default: the only model the server lists); "
-                                       "without --llm-url: the packaged model the embedded server loads")
+                                       "without --llm-url: the model the embedded server loads, a packaged "
+                                       "name, a transformers checkpoint folder, a .gguf file or a hub id "
+                                       "(as oni-serve --model)")
     llm_api_key: Optional[str] = setting(None, "API key sent as 'Authorization: Bearer KEY' (default: the "
                                          "OPENAI_API_KEY environment variable; never written to the run folder)",
                                          secret=True)
@@ -197,6 +200,9 @@ class AnnotationConfig:
         "process", "without --llm-url: run the embedded CPU model in a process of its own (the OS gives it its "
         "share of the cores) or in a thread of the trainer (shares the learner's GIL and threads)")
     embedded_threads: Optional[int] = setting(None, "torch threads of the embedded CPU model (none: 1)")
+    embedded_dtype: Literal["auto", "bfloat16", "float32", "int8"] = setting(
+        "auto", "number format of the embedded CPU model: auto (bfloat16 where the CPU has it, else float32), "
+        "or int8 (CTranslate2; the float path with a warning where it cannot run)")
     goal: str = setting("default", "what counts as progress for the annotator and the goal-based rewards",
                         choices=GOALS)
     caption_store: Optional[str] = setting(None, "caption/label store, loaded if it exists and saved at "
@@ -216,6 +222,12 @@ class AnnotationConfig:
         "frequency", "which captions (or pairs) are labelled first: fifo (oldest), frequency (most seen), uniform, "
         "disagree (reward-model ensemble members disagree most: --rm-ensemble > 1) or entropy (the reward "
         "model is least sure)", choices=QUERY_RULES)
+    claim_order: str = setting(
+        "seen_rate", "the order in which the caption store hands unseen captions to the annotator: seen_rate "
+        "(most sightings per caption first seen since: what the agent has just started to see, and new captions, "
+        "before older ones seen as often over a longer time), most_seen (most sightings) or oldest (first seen "
+        "first); benchmarks/queue_order.py compares them. --query-selection and --label-budget choose within "
+        "the captions it hands out first", choices=CLAIM_ORDERS)
 
     def validate(self) -> None:
         """Raises ``ValueError`` with one sentence for the first impossible setting of this section

@@ -8,7 +8,8 @@ trainer process:
 
 * a :class:`~torchrl_oni.store.CaptionStore`, loaded from ``--caption-store`` (default
   ``<logdir>/captions.pt``) when the file exists and saved at every checkpoint and at exit, so
-  a label is never paid for twice, across restarts included;
+  a label is never paid for twice, across restarts included; it hands unseen captions to the
+  annotator in the order ``--claim-order`` says (default ``seen_rate``);
 * an annotator: ``--annotator scripted`` (rules, no LLM), ``--llm-url URL`` (any
   OpenAI-compatible server, checked once at start) or, with no URL, the embedded CPU server
   (:func:`~torchrl_oni.serve.start_embedded_server`), stopped at exit; an LLM judge of single
@@ -22,7 +23,7 @@ Label-efficient annotation (all optional, see :mod:`torchrl_oni.queries`):
 ``--label-budget N [--label-schedule S]`` and ``--query-selection R``: the annotation worker
 claims captions through a :class:`~torchrl_oni.queries.SelectiveClaim` (the budget, in labels
 per million frames, is read at the trainer's frame count; ``disagree``/``entropy`` rank the
-most-seen unlabelled captions by the reward model's members). Ranking applies both to the
+unlabelled captions the store hands out first by the reward model's members). Ranking applies both to the
 pairs it queues (:class:`~torchrl_oni.rewards.ranking.PairQueue`).
 
 Human feedback (``--human-feedback``): the labelling page of :mod:`torchrl_oni.feedback` runs in
@@ -72,6 +73,7 @@ JUDGE_MIN_LABELS = 200
 EMPTY_CAPTION_HASH = caption_hash(b"")
 COVERAGE_GRACE_S = 60.0
 ALERT_EVERY_S = 60.0
+JUDGE_CPU_EVERY_S = 10.0  # how often the judge's CPU share is read from /proc (milliseconds a reading)
 FINAL_COVERAGE_WARNING = 0.5
 
 
@@ -143,6 +145,7 @@ class Labelling:
         self.final_health: Optional[str] = None
         self.judge = None  # the calibration probe's report (LLM judges of captions)
         self.judge_said = False
+        self.judge_cpu = None  # the embedded judge process's share of the run's CPU time
 
     # ------------------------------------------------------------------ starting
     def open(self) -> None:
@@ -161,6 +164,11 @@ class Labelling:
             self._open_store()
         elif self.spec.llm and entry.llm:
             self.llm, self.server = start_llm(ann)
+        process = getattr(self.server, "process", None)  # the embedded judge in a process of its own
+        if process is not None:
+            from .cpu_share import CpuShare
+
+            self.judge_cpu = CpuShare(os.getpid(), process.pid, every_s=JUDGE_CPU_EVERY_S)
 
     def start(self, reward) -> None:
         """Label claims (budget, query rule), the background annotation worker and the labelling
@@ -198,7 +206,7 @@ class Labelling:
 
     def _make_claim(self, reward):
         """A :class:`~torchrl_oni.queries.SelectiveClaim` when a budget or a rule other than the
-        store's own most-seen order is asked for single captions; else None (``store.claim``)."""
+        store's own order (``--claim-order``) is asked for single captions; else None (``store.claim``)."""
         from ..queries import LabelBudget, SelectiveClaim
 
         ann = self.ann_cfg
@@ -266,12 +274,13 @@ class Labelling:
         from ..store import CaptionStore
 
         self.store_path = self._store_file
+        order = self.ann_cfg.claim_order  # the run's setting, over the one a reused store was saved with
         if os.path.exists(self.store_path):
-            self.store = CaptionStore.load(self.store_path)
+            self.store = CaptionStore.load(self.store_path, claim_order=order)
             log.info("caption store: %d captions (%d labelled) from %s", len(self.store),
                      self.store.stats()["labelled"], self.store_path)
         else:
-            self.store = CaptionStore()
+            self.store = CaptionStore(claim_order=order)
         for source in self.ann_cfg.labels_from:
             self._import_labels(source)
         if self.feedback_cfg.human_feedback:
@@ -369,6 +378,9 @@ class Labelling:
                 out[f"annotation/{key}"] = float(value)
         if self.feedback is not None:
             self._feedback_metrics(out)
+        share = self.judge_cpu.sample() if self.judge_cpu is not None else None
+        if share is not None:
+            out["annotation/judge_cpu_share"] = share
 
     def judge_metrics(self, out: Dict[str, float]) -> None:
         """Adds the judge probe's numbers to ``out`` (when it was asked)."""
@@ -477,7 +489,13 @@ class Labelling:
         if self.annotation is None or not self.watched or self.health.started is None:
             return []
         done, seen, unit = self._counts(metrics)
-        return self.health.summary_lines(max(seen - done, 0), seen, unit)[0]
+        lines = self.health.summary_lines(max(seen - done, 0), seen, unit)[0]
+        share = metrics.get("annotation/judge_cpu_share")
+        if share is not None:
+            ann = self.ann_cfg
+            lines.append(f"the embedded judge ({ann.embedded_dtype}, {ann.embedded_threads or 1} thread"
+                         f"{'s' if (ann.embedded_threads or 1) > 1 else ''}) used {share:.0%} of this run's CPU time")
+        return lines
 
     def final_warnings(self, metrics: Dict[str, float]) -> List[str]:
         """Lines the run's summary must show when labels never came or stopped for long, or the

@@ -1,0 +1,41 @@
+"""The embedded judge's benchmarks run and say what BENCHMARKS.md quotes: the int8 comparison
+(`annotation_throughput.py --compare-dtype`) and the judge-share runs (`judge_share.py`)."""
+import pytest
+from helpers import BENCH, bench_json, run_script
+
+from torchrl_oni.serve.models import TEST_MODEL, is_installed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not is_installed(TEST_MODEL), reason="the SmolLM2 weights are not installed")
+def test_int8_comparison_reports_speed_and_agreement():
+    pytest.importorskip("ctranslate2")
+    result, table = bench_json([BENCH / "annotation_throughput.py", "--model", TEST_MODEL, "--compare-dtype", "int8",
+                                "--seconds", "4", "--rounds", "1", "--real-captions", "20", "--threads", "1"],
+                               timeout=600)
+    assert "speedup (medians)" in table
+    assert result["reference_engine"] == "TransformersEngine" and result["candidate_engine"] == "CTranslate2Engine"
+    assert result["candidate_dtype"] == "int8"
+    assert result["speedup_vs_reference"] > 0 and 0 <= result["agreement_vs_reference"] <= 1
+    assert result["n_hand_labelled"] == 40 and result["n_judge_probe"] == 13 and result["n_real_captions"] == 20
+    assert len(result["reference_captions_per_s"]) == len(result["candidate_captions_per_s"]) == 1
+
+
+@pytest.mark.slow
+def test_judge_share_compares_configurations_beside_a_hog(tmp_path):
+    # the scripted annotator stands in for the embedded judge: the run, the hog and the table are what is tested
+    result, table = bench_json([BENCH / "judge_share.py", "--frames", "2k", "--hog-procs", "1", "--logs", tmp_path,
+                                "--configs", "base=--annotator scripted --workers 1 --envs-per-worker 4",
+                                "two=--annotator scripted --workers 1 --envs-per-worker 8"], timeout=600)
+    assert "frames/s" in table and "vs base" in table
+    assert set(result["results"]) == {"base", "two"} and result["results"]["base"]["fps_vs_baseline"] == 1.0
+    for row in result["results"].values():
+        assert row["fps"] > 0 and 0 < row["steps_labelled"] <= 1 and row["captions_seen"] > 0
+    assert (tmp_path / "base_0.log").is_file()
+
+
+def test_judge_share_refuses_bad_configurations():
+    out = run_script([BENCH / "judge_share.py", "--configs", "no-equals-sign"])
+    assert out.returncode == 2 and "NAME=FLAGS" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    out = run_script([BENCH / "judge_share.py", "--baseline-code", "/nonexistent"])
+    assert out.returncode == 2 and "no torchrl_oni package" in out.stderr
