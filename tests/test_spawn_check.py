@@ -65,7 +65,8 @@ def test_guard_detection(source, guarded):
 def test_the_check_reads_the_running_main_script(tmp_path, monkeypatch):
     script = tmp_path / "s.py"
     script.write_text("print(1)\n")
-    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script))
+    # raising=False: under pytest-xdist the worker's __main__ has no __file__ (undo removes it again)
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
     monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)  # run as `python s.py`
     with pytest.raises(MainGuardError, match="s.py has no"):
         check_main_guard("spawn")

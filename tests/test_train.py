@@ -5,17 +5,14 @@ import os
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import run_cli, tiny_config
 from torchrl_oni.train import TrainConfig, Trainer, TrainHook
 from torchrl_oni.train.checkpoint import load_checkpoint, save_checkpoint
 from torchrl_oni.train.run_log import read_metrics
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(frames=1024, workers=1, envs_per_worker=4, rollout=32, logdir=str(tmp_path / "run"),
-                progress=False, tensorboard=False, checkpoint_every=512, minibatch_size=64)
-    base.update(kw)
-    return TrainConfig(**base)
+    return tiny_config(tmp_path / "run", **{"checkpoint_every": 512, **kw})
 
 
 def test_short_run_then_resume_continues_where_it_stopped(tmp_path):

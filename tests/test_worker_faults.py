@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import tiny_config
 from torchrl_oni.train import TrainConfig, Trainer, TrainHook
 from torchrl_oni.train import ppo
 from torchrl_oni.train.checkpoint import load_checkpoint
@@ -54,10 +55,9 @@ class FailsInWorker(EnvFactory):
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(frames=16 * 256, workers=2, envs_per_worker=8, rollout=32, minibatch_size=256,
-                logdir=str(tmp_path), progress=False, tensorboard=False)
-    base.update(kw)
-    return TrainConfig(**base)
+    """The tiny run with two workers of 8 games (worker 1 is the one killed or stopped)."""
+    return tiny_config(tmp_path, **{"frames": 16 * 256, "workers": 2, "envs_per_worker": 8, "minibatch_size": 256,
+                                    **kw})
 
 
 def test_torchrl_worker_death_in_words():
