@@ -46,6 +46,19 @@ def browser():
         shutil.rmtree(profile, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def retrieval_run(tmp_path_factory):
+    """The folder of one tiny run (``TINY``, 2048 frames) with ONI-Retrieval labelled by the
+    scripted rules, trained once for the tests that read it (none writes into it)."""
+    from helpers import TINY
+    from torchrl_oni.train.cli import main
+
+    logdir = tmp_path_factory.mktemp("retrieval-run") / "run"
+    assert main([*TINY, "--frames", "2048", "--logdir", str(logdir), "--intrinsic-reward", "retrieval",
+                 "--annotator", "scripted"]) == 0
+    return logdir
+
+
 @pytest.fixture(scope="module")
 def scripted():
     """An embedded OpenAI-compatible server (oni-serve) with the scripted backend, on a free port."""
@@ -171,7 +184,9 @@ torchrl_oni/train/ppo.py::torchrl_oni.train.ppo
 # once per worker). xdist hands out the groups first, then the other tests: the slow ones first,
 # so that the run does not end on one long test while the other worker waits.
 RAY = ("tests/test_ray_backend.py", "tests/test_benchmark_smoke.py::test_scale_out_smoke")
-SHARED_FIXTURES = {"browser", "cluster", "two_default_runs", "model_server", "engines", "packaged", "minilm"}
+SHARED_FIXTURES = {"browser", "cluster", "two_default_runs", "model_server", "engines", "packaged", "minilm",
+                   "labels_source"}  # module-scoped: one group per module
+SESSION_FIXTURES = {"retrieval_run"}  # one group for all the modules that use it
 
 # Tests that run with no other test beside them under pytest-xdist, as they do in a serial run:
 # they kill or stop one of two env workers, and on a loaded CPU TorchRL's clean-up of the other
@@ -205,6 +220,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("alone"))
         elif item.nodeid.startswith(RAY):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif SESSION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group(min(SESSION_FIXTURES.intersection(item.fixturenames))))
         elif SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if "PYTEST_XDIST_WORKER" in os.environ:  # a worker: every worker sorts alike (a stable sort)

@@ -222,15 +222,14 @@ def test_the_annotator_is_built_by_the_registry_and_its_server_stopped(tmp_path,
 
 # ------------------------------------------------------------------------- the whole chain
 @pytest.mark.slow
-def test_the_offline_motif_chain_on_a_real_run_folder(tmp_path, capsys):
+def test_the_offline_motif_chain_on_a_real_run_folder(tmp_path, capsys, retrieval_run):
     """oni-train (labelled captions) → oni-collect-pairs RUN → oni-annotate-pairs --annotator scripted
     (resumed) → oni-train-reward → oni-train --intrinsic-reward motif."""
     from torchrl_oni.train.cli import main as oni_train
     from torchrl_oni.train.run_log import read_metrics
 
-    run = tmp_path / "run"
-    assert oni_train([*TINY, "--frames", "2048", "--logdir", str(run), "--intrinsic-reward", "retrieval",
-                      "--annotator", "scripted"]) == 0
+    # the run folder of `oni-train *TINY --frames 2048 --intrinsic-reward retrieval --annotator scripted`
+    run = retrieval_run
     messages, seen = store_captions(CaptionStore.load(run / CAPTION_STORE_NAME))
     assert seen.sum() >= 2048  # every step's caption was counted
 

@@ -22,6 +22,11 @@ torch.set_num_threads(1)
 def _run(tmp_path, *flags):
     logdir = str(tmp_path / "run")
     assert main([*TINY, "--logdir", logdir, *flags]) == 0
+    return _ran(logdir)
+
+
+def _ran(logdir):
+    """The metrics rows of a finished run, its intrinsic reward logged and its top messages written."""
     rows = read_metrics(logdir)
     assert rows and rows[-1]["frames"] >= 1024
     assert "reward/intrinsic_mean" in rows[-1] and "intrinsic/rewarded_fraction" in rows[-1]
@@ -37,8 +42,9 @@ def _labelled_store(logdir):
     return store, stats
 
 
-def test_retrieval_scripted_labels_land_and_pay(tmp_path):
-    logdir, rows = _run(tmp_path, "--intrinsic-reward", "retrieval", "--annotator", "scripted", "--frames", "2048")
+def test_retrieval_scripted_labels_land_and_pay(retrieval_run):
+    # the run of `_run(tmp_path, "--intrinsic-reward", "retrieval", "--annotator", "scripted", "--frames", "2048")`
+    logdir, rows = _ran(str(retrieval_run))
     store, stats = _labelled_store(logdir)
     assert stats["labelled"] == stats["size"]  # the scripted annotator never fails
     assert 0 < stats["positives"] < stats["labelled"]
@@ -170,14 +176,21 @@ def test_caption_store_is_reused_so_labels_are_not_paid_twice(tmp_path):
     assert rows[-1]["annotation/labels_total"] < after  # some labels were not asked for again
 
 
+@pytest.fixture(scope="module")
+def labels_source(tmp_path_factory):
+    """The run folder whose labels the next test carries to another run (read, never written)."""
+    source_dir, _ = _run(tmp_path_factory.mktemp("source") / "a", "--intrinsic-reward", "retrieval",
+                         "--annotator", "scripted")
+    return source_dir
+
+
 @pytest.mark.parametrize("carried_as", ["caption store", "labels file"])
-def test_a_run_on_stored_labels_pays_only_for_what_they_cover(tmp_path, carried_as):
+def test_a_run_on_stored_labels_pays_only_for_what_they_cover(tmp_path, carried_as, labels_source):
     from torchrl_oni.captions import encode_messages, hash_messages
     from torchrl_oni.store import LABELLED, SKIPPED
     from torchrl_oni.store.labels_file import load_labels, write_labels
 
-    source_dir, _ = _run(tmp_path / "a", "--intrinsic-reward", "retrieval", "--annotator", "scripted")
-    source_path = os.path.join(source_dir, CAPTION_STORE_NAME)
+    source_path = os.path.join(labels_source, CAPTION_STORE_NAME)
     if carried_as == "labels file":  # the labels alone, as the sparse-task experiment carries them
         write_labels(CaptionStore.load(source_path), tmp_path / "labels.jsonl.gz")
         source_path = str(tmp_path / "labels.jsonl.gz")
