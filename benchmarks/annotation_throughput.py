@@ -139,7 +139,11 @@ async def _throughput(url: str, model: str, batch: int, seconds: float) -> Tuple
 
 async def _accuracy(url: str, model: str) -> Dict[str, float]:
     async with _session() as session:
-        scores = await _score(session, url, model, [m for m, _ in LABELLED])
+        return accuracy_of(await _score(session, url, model, [m for m, _ in LABELLED]))
+
+
+def accuracy_of(scores: Sequence[Optional[float]]) -> Dict[str, float]:
+    """Accuracy (threshold 0.5), AUC and more of P(yes) scores of the LABELLED messages, in order."""
     labels = [y for _, y in LABELLED]
     filled = [0.5 if s is None else s for s in scores]
     acc = sum((s > 0.5) == y for s, y in zip(filled, labels)) / len(labels)
@@ -270,10 +274,8 @@ def compare_paths(args) -> int:
                             out[name] += await _score(session, url, model, msgs[start:start + args.compare_batch])
                     return out
             scores[role] = asyncio.run(score_all())
-        labels = [y for _, y in LABELLED]
         for role in paths:
-            filled = [0.5 if s is None else s for s in scores[role]["hand_labelled"]]
-            result[f"{role}_auc"] = round(auc(filled, labels), 4)
+            result[f"{role}_auc"] = round(accuracy_of(scores[role]["hand_labelled"])["auc"], 4)
         agree_all, total = 0, 0
         for name in sets:
             pairs = [(a, b) for a, b in zip(scores["reference"][name], scores["candidate"][name])]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-__all__ = ["Completion", "AliveFn", "PROMPT_BYTES_PER_TOKEN", "common_prefix_len", "prompt_ids", "eos_ids"]
+__all__ = ["Completion", "AliveFn", "PROMPT_BYTES_PER_TOKEN", "common_prefix_len", "shared_prefix_len", "prompt_ids",
+           "eos_ids", "render_chat", "cut_at_stop"]
 
 
 @dataclass
@@ -47,6 +48,31 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+
+def shared_prefix_len(ids_list: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every prompt of a batch shares, leaving each row at least one
+    token of its own (the part an engine runs, or caches, once)."""
+    plen = min(len(ids) for ids in ids_list) - 1
+    for ids in ids_list[1:]:
+        plen = min(plen, common_prefix_len(ids_list[0], ids))
+    return max(plen, 0)
+
+
+def render_chat(tokenizer, messages: Sequence[Dict[str, str]]) -> str:
+    """Chat messages as one prompt: the tokenizer's chat template, or plain ``role: content``."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to the first of the ``stop`` strings it holds (each tried in turn)."""
+    for s in stop or ():
+        if s and s in text:
+            text = text[: text.index(s)]
+    return text
 
 
 def prompt_ids(tokenizer, prompt: str, *, chat: bool, max_new: int, max_context: int,

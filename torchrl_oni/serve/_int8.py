@@ -21,7 +21,6 @@ installed, a CPU without int8 kernels); the caller then runs the float path with
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -29,7 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ._completion import PROMPT_BYTES_PER_TOKEN, AliveFn, Completion, common_prefix_len, eos_ids, prompt_ids
+from ._completion import (PROMPT_BYTES_PER_TOKEN, AliveFn, Completion, cut_at_stop, eos_ids, prompt_ids, render_chat,
+                          shared_prefix_len)
 
 __all__ = ["CTranslate2Engine", "int8_engine", "int8_unavailable"]
 
@@ -53,11 +53,9 @@ def int8_unavailable() -> Optional[str]:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    from .models import _hash_files
+
+    return _hash_files([path])[0]
 
 
 def converted_dir(loaded) -> Optional[Path]:
@@ -138,10 +136,7 @@ class CTranslate2Engine:
         self.max_batch = max_batch
 
     def render_chat(self, messages: Sequence[Dict[str, str]]) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=True)
-        return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
+        return render_chat(self.tokenizer, messages)
 
     def complete(self, prompts: Sequence[str], max_tokens: int = 16, temperature: float = 0.0,
                  top_logprobs: Optional[int] = None, stop: Sequence[str] = (),
@@ -182,10 +177,7 @@ class CTranslate2Engine:
         import torch
 
         # The shared prefix is CTranslate2's cached static prompt; every row keeps a token of its own.
-        plen = min(len(ids) for ids in ids_list) - 1
-        for ids in ids_list[1:]:
-            plen = min(plen, common_prefix_len(ids_list[0], ids))
-        plen = max(plen, 0)
+        plen = shared_prefix_len(ids_list)
         to_tokens = self.tokenizer.convert_ids_to_tokens
         static = to_tokens(ids_list[0][:plen]) if plen else None
         by_length: Dict[int, List[int]] = {}
@@ -215,10 +207,7 @@ class CTranslate2Engine:
                     if stop and any(s in self.tokenizer.decode(gen) for s in stop):
                         finish = "stop"
                         break
-                text = self.tokenizer.decode(gen, skip_special_tokens=True)
-                for s in stop or ():
-                    if s and s in text:
-                        text = text[: text.index(s)]
+                text = cut_at_stop(self.tokenizer.decode(gen, skip_special_tokens=True), stop)
                 results[row] = Completion(
                     text=text, tokens=[self.tokenizer.decode([t]) for t in gen], token_logprobs=lps,
                     top_logprobs=tops, finish_reason=finish, prompt_tokens=len(ids_list[row]))

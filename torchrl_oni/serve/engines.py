@@ -21,7 +21,8 @@ import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ._completion import PROMPT_BYTES_PER_TOKEN, AliveFn, Completion, common_prefix_len, eos_ids, prompt_ids
+from ._completion import (PROMPT_BYTES_PER_TOKEN, AliveFn, Completion, common_prefix_len, cut_at_stop, eos_ids,
+                          prompt_ids, render_chat, shared_prefix_len)
 
 __all__ = [
     "Completion",
@@ -215,10 +216,7 @@ class TransformersEngine:
 
     # -- prompt handling ---------------------------------------------------------------------
     def render_chat(self, messages: Sequence[Dict[str, str]]) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=True)
-        return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
+        return render_chat(self.tokenizer, messages)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -317,10 +315,7 @@ class TransformersEngine:
         torch = self.torch
         batch = len(ids_list)
         # The shared prefix runs once; every row keeps at least one token of its own.
-        plen = min(len(ids) for ids in ids_list) - 1
-        for ids in ids_list[1:]:
-            plen = min(plen, common_prefix_len(ids_list[0], ids))
-        plen = max(plen, 0)
+        plen = shared_prefix_len(ids_list)
         prefix = tuple(ids_list[0][:plen])
         with torch.inference_mode():
             kv = self._prefix_kv(prefix, shared=batch > 1) if plen > 0 else None
@@ -387,10 +382,7 @@ class TransformersEngine:
                                  use_cache=True, logits_to_keep=1)
         results = []
         for row in range(batch):
-            text = self.tokenizer.decode(gen[row], skip_special_tokens=True)
-            for s in stop or ():
-                if s and s in text:
-                    text = text[: text.index(s)]
+            text = cut_at_stop(self.tokenizer.decode(gen[row], skip_special_tokens=True), stop)
             results.append(Completion(
                 text=text,
                 tokens=[self._token_text(t) for t in gen[row]],
