@@ -46,6 +46,26 @@ def browser():
         shutil.rmtree(profile, ignore_errors=True)
 
 
+_THREADS = []  # torch's thread count when the first test starts (the test modules set 1 as they load)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_as_at_the_start():
+    """Every test starts with torch's thread count of the session's start: a test that changed it
+    (TorchRL's SerialEnv and collectors set it in this process, and so may a doctest) leaves no
+    extra threads behind, which on 2 cores shared by two pytest-xdist workers would spin against
+    each other and slow the next test's small in-process model many times over."""
+    import torch
+
+    if not _THREADS:
+        _THREADS.append(torch.get_num_threads())
+    if torch.get_num_threads() != _THREADS[0]:
+        torch.set_num_threads(_THREADS[0])
+    yield
+    if torch.get_num_threads() != _THREADS[0]:
+        torch.set_num_threads(_THREADS[0])
+
+
 @pytest.fixture(scope="session")
 def retrieval_run(tmp_path_factory):
     """The folder of one tiny run (``TINY``, 2048 frames) with ONI-Retrieval labelled by the
@@ -213,10 +233,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _listed(item, slow):
             item.add_marker(pytest.mark.slow)
+        if _listed(item, alone):
+            item.add_marker(pytest.mark.alone)
         if not xdist:
             continue
         if _listed(item, alone):
-            item.add_marker(pytest.mark.alone)
             item.add_marker(pytest.mark.xdist_group("alone"))
         elif item.nodeid.startswith(RAY):
             item.add_marker(pytest.mark.xdist_group("ray"))

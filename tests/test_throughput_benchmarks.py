@@ -27,7 +27,7 @@ def test_learner_throughput_refuses_missing_cuda():
 
 @pytest.mark.slow
 def test_train_throughput_smoke():
-    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "12", "--workers", "1", "--envs", "4",
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "6", "--workers", "1", "--envs", "4",
                                 "--frames-per-update", "256", "--no-baseline"])
     assert result["fps"] > 0 and result["frames_per_update"] == 256
     assert {"gae", "forward", "backward", "weights"} <= set(result["stages"])
@@ -40,7 +40,7 @@ def test_train_throughput_against_baseline_settings_smoke():
     """The A/B of a setting in one run: this code with --prefetch-batches 2 against the same code
     (--baseline-code) with 0; both sides get the same --frames-per-update."""
     root = str(BENCH.parent)
-    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "16", "--workers", "1", "--envs", "4",
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "8", "--workers", "1", "--envs", "4",
                                 "--frames-per-update", "256", "--prefetch-batches", "2", "--baseline-code", root,
                                 "--baseline-prefetch-batches", "0"])
     assert result["prefetch_batches"] == 2 and result["frames_per_update"] == 256
@@ -54,7 +54,7 @@ def test_train_throughput_prices_a_reward_type_on_a_task_smoke():
     """What ONI-Retrieval costs, in one run: this code with it against the same code without it
     (--baseline-intrinsic-reward none), on the task asked for; the hooks run on one side only."""
     root = str(BENCH.parent)
-    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "16", "--workers", "1", "--envs", "4",
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "8", "--workers", "1", "--envs", "4",
                                 "--frames-per-update", "256", "--task", "staircase-lvl3", "--intrinsic-reward",
                                 "retrieval", "--baseline-code", root, "--baseline-intrinsic-reward", "none"])
     assert result["task"] == "staircase-lvl3" and result["baseline_intrinsic_reward"] == "none"
