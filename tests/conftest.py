@@ -209,10 +209,9 @@ SHARED_FIXTURES = {"browser", "cluster", "two_default_runs", "model_server", "en
 SESSION_FIXTURES = {"retrieval_run"}  # one group for all the modules that use it
 
 # Tests that run with no other test beside them under pytest-xdist, as they do in a serial run:
-# they kill or stop one of two env workers, and on a loaded CPU TorchRL's clean-up of the other
-# (terminate, 0.1 s, close) can fail with "Cannot close a process while it is still running"
-# instead of the death they check; or they need both of two env workers to deliver a batch among
-# the first eight, which a worker slowed down by a test beside it may not.
+# they kill or stop one of two env workers at a given batch and bound the run's time, or they need
+# both of two env workers to deliver a batch among the first eight, which a worker slowed down by
+# a test beside it may not.
 ALONE = """
 tests/test_prefetch.py::test_the_collector_delivers_every_batch_once_and_says_whose
 tests/test_worker_faults.py::test_killed_worker_is_restarted_and_the_run_finishes

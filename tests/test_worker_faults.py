@@ -69,6 +69,39 @@ def test_torchrl_worker_death_in_words():
     assert _worker_death(RuntimeError("shapes do not match")) is None
 
 
+def _slow_to_exit():
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), os._exit(0)))
+    time.sleep(60)
+
+
+def test_worker_death_named_when_torchrl_cannot_close_a_slow_worker():
+    """On a loaded CPU, TorchRL's clean-up after a death (terminate the others, 0.1 s, close) fails
+    on a worker still exiting; the run must still see the death and restart, not stop."""
+    import multiprocessing
+
+    from torchrl._utils import _check_for_faulty_process
+
+    ctx = multiprocessing.get_context("fork")  # the children only sleep
+    procs = [ctx.Process(target=time.sleep, args=(60,)), ctx.Process(target=_slow_to_exit)]
+    for proc in procs:
+        proc.start()
+    try:
+        time.sleep(0.5)  # the second one has installed its SIGTERM handler
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(10)
+        with pytest.raises(ValueError, match="Cannot close a process while it is still running") as caught:
+            _check_for_faulty_process(procs)
+        assert _worker_death(caught.value, procs) == \
+            "worker 0 (exit code -9): killed by SIGKILL, e.g. by the out-of-memory killer"
+        assert _worker_death(caught.value) is None, "without the processes there is no death to name"
+        ppo._end_processes(procs)
+        assert not procs[1].is_alive()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 2], ids=["no-prefetch", "prefetch"])
 def test_killed_worker_is_restarted_and_the_run_finishes(tmp_path, caplog, prefetch):

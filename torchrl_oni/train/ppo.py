@@ -78,10 +78,22 @@ class EnvWorkerError(RuntimeError):
     """The env workers could not start, or kept dying (the checkpoint is saved)."""
 
 
-def _worker_death(err: BaseException) -> Optional[str]:
+def _worker_death(err: BaseException, procs: Sequence = ()) -> Optional[str]:
     """What TorchRL's collector says when a worker process is gone ("At least one process failed:
-    worker 1 (exit code -9)"), in words; None for any other error."""
+    worker 1 (exit code -9)"), in words; None for any other error.
+
+    ``procs`` (the collector's worker processes) name the dead worker when TorchRL's own clean-up
+    failed first: having found a dead worker, it terminates the others and closes each after 0.1 s,
+    and on a loaded CPU a worker still exiting then makes ``close()`` raise "Cannot close a process
+    while it is still running" in place of the death."""
     text = str(err)
+    if isinstance(err, ValueError) and "Cannot close a process while it is still running" in text:
+        dead = [(i, code) for i, code in enumerate(map(_exit_code, procs)) if code is not None]
+        if not dead:
+            return None
+        # the worker that died first is the one TorchRL did not terminate itself
+        i, code = next(((i, c) for i, c in dead if c != -signal.SIGTERM), dead[0])
+        text, err = f"At least one process failed: worker {i} (exit code {code})", RuntimeError()
     if not isinstance(err, RuntimeError) or "process failed" not in text:
         return None
     detail = text.split(":", 1)[-1].split(". Check")[0].strip().rstrip(".")
@@ -91,6 +103,24 @@ def _worker_death(err: BaseException) -> Optional[str]:
         name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
         detail += f": killed by {name}" + (", e.g. by the out-of-memory killer" if sig == signal.SIGKILL else "")
     return detail
+
+
+def _exit_code(proc) -> Optional[int]:
+    """A worker process's exit code; None while it runs or once it is closed."""
+    try:
+        return proc.exitcode
+    except ValueError:  # closed by TorchRL's clean-up
+        return None
+
+
+def _end_processes(procs: Sequence, timeout: float = 10.0) -> None:
+    """Kills the worker processes still running after a failed clean-up and waits for them, so
+    that the restarted workers do not start beside the old ones."""
+    for proc in procs:
+        with contextlib.suppress(ValueError, AttributeError, OSError):
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout)
 
 
 class _StopState:
@@ -396,7 +426,8 @@ class Trainer:
                     yield batch
             except Exception as err:  # noqa: BLE001 — the collector's errors only: hooks run outside
                 stalled = self._stop_watchdog()
-                death = _worker_death(err)
+                procs = getattr(collector, "procs", None) or () if started else ()
+                death = _worker_death(err, procs)
                 if stalled is not None and death is not None:
                     death = f"{stalled}, killed after --worker-stall-timeout {cfg.distributed.worker_stall_timeout:g} s"
                 if not started or death is None:
@@ -413,6 +444,7 @@ class Trainer:
                             "(restart %d of %d)", death, f"{self.frames:,}", restarts, cfg.distributed.worker_restarts)
                 with contextlib.suppress(Exception):
                     self.collector.shutdown()
+                _end_processes(procs)
             finally:
                 self._stop_watchdog()
 
