@@ -285,6 +285,7 @@ def test_a_reward_model_that_barely_moved_is_reported(tmp_path, capsys):
     assert train_reward_main([str(pairs), str(annotations), "--out", str(tmp_path / "slow.pt"), "--epochs", "2"]) == 0
     err = capsys.readouterr().err
     assert "barely moved from its start" in err and "--lr 1e-05" in err
-    assert train_reward_main([str(pairs), str(annotations), "--out", str(tmp_path / "fit.pt"), "--epochs", "30",
-                              "--lr", "1e-2"]) == 0
+    # a model that learns (val loss ~0.42 here, far from ln 2) is not reported
+    assert train_reward_main([str(pairs), str(annotations), "--out", str(tmp_path / "fit.pt"), "--epochs", "8",
+                              "--lr", "3e-3"]) == 0
     assert "barely moved" not in capsys.readouterr().err

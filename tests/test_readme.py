@@ -2,6 +2,7 @@
 ``<!-- not run: REASON -->``), and the scripts marked ``<!-- readme-script: NAME -->`` at full size."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +12,12 @@ import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 MARKED = re.compile(r"<!-- readme-script: ([\w-]+) -->\s*```python\n(.*?)```", re.S)
+
+
+# The scripts run with one torch (OpenMP) thread, as the suite's own tests do (tests/conftest.py):
+# with two pytest-xdist workers on 2 cores, a script's default of one thread per core spins against
+# the other worker's, and the README's tiny policy then trains several times slower.
+ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def readme_scripts() -> dict:
@@ -30,7 +37,8 @@ def test_the_torchrl_script_is_at_most_15_lines():
 def test_the_torchrl_script_trains_ppo_with_oni(tmp_path):
     script = tmp_path / "readme_ppo.py"
     script.write_text(readme_scripts()["torchrl-ppo"])
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env=ONE_THREAD)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     labelled, helpful = map(int, re.search(r"(\d+) captions labelled, (\d+) of them helpful", out.stdout).groups())
@@ -105,6 +113,7 @@ def test_each_python_block_runs_as_a_file(index, tmp_path):
         pytest.skip(f"README.md:{line}: {before.strip()}")
     script = tmp_path / f"readme_block_{line}.py"
     script.write_text(_smaller(source))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=ONE_THREAD)
     assert out.returncode == 0, f"README.md:{line} exited {out.returncode}:\n{out.stderr[-3000:]}"
     assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -1,5 +1,4 @@
 """benchmarks/sparse_tasks.py: a grid of real oni-train/oni-eval commands, resumed, skipped, aggregated over seeds."""
-import importlib.util
 import json
 import math
 import os
@@ -10,6 +9,11 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sparse_tasks.py"
+sys.path.insert(0, str(SCRIPT.parent))  # benchmarks/: the sparse_grid package, and grid_archive it imports
+from sparse_grid import analysis, cli, launcher, report  # noqa: E402
+from sparse_grid import grid as runs  # noqa: E402
+
+sys.path.remove(str(SCRIPT.parent))
 T975 = {1: 12.706, 2: 4.303}  # Student's t, 97.5 % quantile, from printed tables
 EVAL_KEYS = {"success", "return", "max_dlvl", "xlvl", "progression", "score", "approved_per_episode"}
 TINY = ["--tasks", "staircase", "--annotators", "scripted", "--frames", "2048",
@@ -19,12 +23,8 @@ TINY = ["--tasks", "staircase", "--annotators", "scripted", "--frames", "2048",
 
 @pytest.fixture(scope="module")
 def grid():
-    spec = importlib.util.spec_from_file_location("sparse_tasks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    """The grid's bottom module (runs and their folders); the tests reach the others by name."""
+    return runs
 
 
 def _json_line(text):
@@ -99,7 +99,7 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
     # the same command again: everything is done, nothing is launched, nothing rewritten
     before = _snapshot(root)
     again = ["--root", str(root), *TINY, "--rewards", "none", "retrieval", "--seeds", "0", "--random"]
-    assert grid.main(again) == 0
+    assert cli.main(again) == 0
     summary, _ = _json_line(capsys.readouterr().out)
     assert summary["launched"] == {"train": 0, "resume": 0, "eval": 0, "create": 0} and summary["done"] == 3
     assert _snapshot(root) == before
@@ -115,19 +115,19 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
     (copied / "staircase" / "retrieval-scripted" / "seed0" / "captions.pt").touch()  # newer than none's eval
     # (none's eval.json names the store under the first --root: the grid reads its place in the grid)
     copied_args = ["--root", str(copied), *TINY, "--rewards", "none", "retrieval", "--seeds", "0"]
-    assert grid.main(copied_args + ["--dry-run"]) == 0
+    assert cli.main(copied_args + ["--dry-run"]) == 0
     listed, _ = _json_line(capsys.readouterr().out)
     assert listed["counts"] == {"done": 2}
-    assert grid.main(copied_args + ["--dry-run", "--episodes", "8"]) == 0  # evaluated otherwise: nothing to redo it with
+    assert cli.main(copied_args + ["--dry-run", "--episodes", "8"]) == 0  # evaluated otherwise: nothing to redo it with
     listed, _ = _json_line(capsys.readouterr().out)
     assert listed["counts"] == {"conflict": 2}
     assert "copied without it" in listed["runs"][0]["detail"]
 
     # --dry-run lists the state: done now; with more frames the trained runs are to be resumed
-    assert grid.main(again + ["--dry-run"]) == 0
+    assert cli.main(again + ["--dry-run"]) == 0
     listed, _ = _json_line(capsys.readouterr().out)
     assert listed["counts"] == {"done": 3}
-    assert grid.main(again + ["--dry-run", "--frames", "4096"]) == 0
+    assert cli.main(again + ["--dry-run", "--frames", "4096"]) == 0
     out = capsys.readouterr().out
     listed, lines = _json_line(out)
     states = {r["run"]: (r["status"], r["frames"]) for r in listed["runs"]}
@@ -137,7 +137,7 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
     assert _snapshot(root) == before
 
     # an interrupted or extended run is continued with oni-train --resume, its curve kept
-    assert grid.main(["--root", str(root), *TINY, "--rewards", "none", "--seeds", "0", "--frames", "4096"]) == 0
+    assert cli.main(["--root", str(root), *TINY, "--rewards", "none", "--seeds", "0", "--frames", "4096"]) == 0
     summary, _ = _json_line(capsys.readouterr().out)
     assert summary["launched"] == {"train": 0, "resume": 1, "eval": 1, "create": 0}
     commands = [line for line in (runs["none"] / "train.log").read_text().splitlines() if line.startswith("$ ")]
@@ -150,7 +150,7 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
     assert kept.name == f"eval_{evals['none']['frames_trained']}.json"
     assert json.loads(kept.read_text()) == evals["none"]
     assert [(r["setting"], r["frames"], r["seeds"]) for r in summary["by_frames"]] == [
-        ("none", grid.budget_of(evals["none"]["frames_trained"]), [0]), ("none", grid.budget_of(4096), [0])]
+        ("none", analysis.budget_of(evals["none"]["frames_trained"]), [0]), ("none", analysis.budget_of(4096), [0])]
     assert summary["by_frames"][0]["eval"]["success"]["mean"] == evals["none"]["success_rate"]["mean"]
     assert summary["by_frames"][0]["eval"]["max_dlvl"]["mean"] == evals["none"]["max_dlvl"]["mean"]
 
@@ -161,7 +161,7 @@ def test_dry_run_lists_every_run_and_its_commands_and_creates_nothing(grid, tmp_
     argv = ["--root", str(root), "--tasks", "staircase", "score", "--rewards", "retrieval", "none", "classification",
             "--annotators", "scripted", "llm", "--seeds", "0", "1", "--random", "--frames", "4M",
             "--extra", "--workers 2", "--extra-for", "intrinsic", "--extrinsic-coeff 0", "--episodes", "8", "--dry-run"]
-    assert grid.main(argv) == 0
+    assert cli.main(argv) == 0
     listed, lines = _json_line(capsys.readouterr().out)
     settings = ["retrieval-scripted", "retrieval-llm", "classification-scripted", "classification-llm", "none", "random"]
     expected = [f"{t}/{s}/seed{k}" for t in ("staircase", "score") for k in (0, 1) for s in settings]
@@ -185,7 +185,7 @@ def test_variants_run_every_intrinsic_setting_again_with_their_flags(grid, tmp_p
             "--frames", "3M", "--extra", "--workers 2", "--variant", "dp1", "--death-penalty 1",
             "--variant", "run", "--count-scope run --count-exponent 0.5", "--baseline", "retrieval-scripted",
             "--dry-run"]
-    assert grid.main(argv) == 0
+    assert cli.main(argv) == 0
     listed, lines = _json_line(capsys.readouterr().out)
     assert [r["run"] for r in listed["runs"]] == [
         "staircase/retrieval-scripted/seed0", "staircase/retrieval-scripted+dp1/seed0",
@@ -202,7 +202,7 @@ def test_variants_run_every_intrinsic_setting_again_with_their_flags(grid, tmp_p
     # the paired analysis compares the variants with the chosen baseline
     per_run = [_evaluated(s, 0, e) for s, e in (("retrieval-scripted", "1000"), ("retrieval-scripted+dp1", "1100"),
                                                 ("none", "0000"))]
-    rows = {r["setting"]: r for r in grid.paired(per_run, "retrieval-scripted")}
+    rows = {r["setting"]: r for r in analysis.paired(per_run, "retrieval-scripted")}
     assert set(rows) == {"retrieval-scripted+dp1", "none"}
     assert rows["retrieval-scripted+dp1"]["success"]["mean"] == pytest.approx(0.25)
     assert rows["none"]["success"]["mean"] == pytest.approx(-0.25)
@@ -213,7 +213,7 @@ def test_a_control_variant_runs_extrinsic_only_with_the_variants_flags_too(grid,
     argv = ["--root", str(root), "--rewards", "retrieval", "none", "--annotators", "scripted", "--seeds", "0", "1",
             "--frames", "3M", "--extra", "--workers 2", "--variant", "dp2", "--death-penalty 2",
             "--variant", "run", "--count-scope run", "--control-variant", "dp2", "--baseline", "none+dp2", "--dry-run"]
-    assert grid.main(argv) == 0
+    assert cli.main(argv) == 0
     listed, lines = _json_line(capsys.readouterr().out)
     assert [r["run"] for r in listed["runs"]] == [
         f"staircase/{s}/seed{k}" for k in (0, 1)
@@ -228,13 +228,13 @@ def test_a_control_variant_runs_extrinsic_only_with_the_variants_flags_too(grid,
     assert "--death-penalty" not in by_run["staircase/none/seed1"]
     per_run = [_evaluated(s, 0, e) for s, e in (("retrieval-scripted+dp2", "1110"), ("none+dp2", "1000"),
                                                 ("none", "0000"))]
-    rows = {r["setting"]: r for r in grid.paired(per_run, "none+dp2")}
+    rows = {r["setting"]: r for r in analysis.paired(per_run, "none+dp2")}
     assert rows["retrieval-scripted+dp2"]["success"]["mean"] == pytest.approx(0.5)
     assert rows["none"]["success"]["mean"] == pytest.approx(-0.25)
     # without none in the grid there is nothing to run it on
     argv = ["--root", str(root), "--rewards", "retrieval", "--seeds", "0", "--variant", "dp2", "--death-penalty 2",
             "--control-variant", "dp2", "--dry-run"]
-    assert grid.main(argv) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err == "sparse_tasks.py: error: --control-variant dp2 runs the 'none' setting again: add it to --rewards"
 
@@ -243,7 +243,7 @@ def test_extra_for_an_annotator_reaches_only_the_runs_it_labels(grid, tmp_path, 
     root = tmp_path / "plan"
     argv = ["--root", str(root), "--rewards", "retrieval", "none", "--annotators", "scripted", "store",
             "--extra-for", "store", "--labels-from llm_labels.pt", "--seeds", "0", "--frames", "3M", "--dry-run"]
-    assert grid.main(argv) == 0
+    assert cli.main(argv) == 0
     listed, lines = _json_line(capsys.readouterr().out)
     assert [r["run"] for r in listed["runs"]] == [
         "staircase/retrieval-scripted/seed0", "staircase/retrieval-store/seed0", "staircase/none/seed0"]
@@ -282,7 +282,7 @@ def test_extra_for_an_annotator_reaches_only_the_runs_it_labels(grid, tmp_path, 
 )
 def test_bad_input_is_one_line_and_exit_2(grid, tmp_path, capsys, extra, expected):
     argv = ["--root", str(tmp_path / "r"), "--rewards", "none", "retrieval", "--seeds", "0", *extra]
-    assert grid.main(argv) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("sparse_tasks.py: error:") and len(err.splitlines()) == 1, err
     assert expected in err, err
@@ -300,11 +300,11 @@ def test_a_run_folder_of_another_configuration_is_refused(grid, tmp_path, capsys
     write_config(TrainConfig(task="staircase", frames=8192, lr=1e-3, workers=1, envs_per_worker=4,
                              max_episode_steps=40, tensorboard=False, progress=False).resolved(), str(folder))
     argv = ["--root", str(root), *TINY, "--rewards", "none", "--seeds", "0"]
-    assert grid.main(argv) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("sparse_tasks.py: error:") and len(err.splitlines()) == 1
     assert str(folder) in err and "--lr 0.001 -> 0.0003" in err and "--frames" not in err
-    assert grid.main(argv + ["--dry-run"]) == 0
+    assert cli.main(argv + ["--dry-run"]) == 0
     listed, _ = _json_line(capsys.readouterr().out)
     assert listed["runs"][0]["status"] == "conflict"
     assert sorted(p.name for p in folder.iterdir()) == ["config.yaml"]  # nothing launched
@@ -328,7 +328,7 @@ def test_aggregate_is_mean_and_student_t_ci_over_the_seeds_that_are_done(grid):
     per_run = [_per_run("staircase", "retrieval-llm", k, "done", success[k], ret[k], 0.1 * k) for k in range(3)]
     per_run.append(_per_run("staircase", "retrieval-llm", 3, "resume", 1.0, 100.0, 1.0))  # not done: left out
     per_run += [_per_run("staircase", "none", k, "done", 0.0, 2.0 * k, 0.0) for k in range(2)]
-    rows = {r["setting"]: r for r in grid.aggregate(per_run, Args)}
+    rows = {r["setting"]: r for r in analysis.aggregate(per_run, Args)}
     row = rows["retrieval-llm"]
     assert row["seeds"] == [0, 1, 2] and row["runs"] == 4
 
@@ -349,7 +349,7 @@ def test_aggregate_is_mean_and_student_t_ci_over_the_seeds_that_are_done(grid):
     assert row["eval"]["approved_per_episode"]["n"] == 0 and row["train_time_s"]["mean"] == pytest.approx(11.0)
     mean, ci = reference([0.0, 2.0])
     assert rows["none"]["eval"]["return"]["ci95"] == pytest.approx(ci, rel=1e-4)
-    text = grid.format_tables(list(rows.values()), per_run, Args)
+    text = report.format_tables(list(rows.values()), per_run, Args)
     assert "success@50%" in text and "staircase / retrieval-llm" in text
     assert rows["retrieval-llm"]["episodes"] == 0 and rows["retrieval-llm"]["death_causes"] == {}  # no eval.json
     line = next(line for line in text.splitlines() if line.startswith("staircase / retrieval-llm") and "/4" in line)
@@ -378,7 +378,7 @@ def test_paired_analysis_pairs_seeds_and_games_and_matches_a_reference(grid):
     per_run += [_evaluated("none", k, e) for k, e in enumerate(none)]
     per_run.append(_evaluated("retrieval-llm", 9, "1111"))  # no baseline run of seed 9: no pair
     per_run.append(_per_run("staircase", "none", 8, "train", None, None, 0.0))  # not done: no pair
-    [row] = grid.paired(per_run)
+    [row] = analysis.paired(per_run)
     assert row["setting"] == "retrieval-llm" and row["baseline"] == "none" and row["seeds"] == [0, 1, 2, 3, 4]
     a = [e.count("1") / 4 for e in oni]
     b = [e.count("1") / 4 for e in none]
@@ -389,7 +389,7 @@ def test_paired_analysis_pairs_seeds_and_games_and_matches_a_reference(grid):
     # episodes: seed 0 "1100" vs "1000" -> both 1, only oni 1, neither 2; and so on
     assert row["episodes"] == {"both": 3, "only_setting": 5, "only_baseline": 1, "neither": 11, "pairs": 20,
                                "p": pytest.approx(scipy_stats.binomtest(5, 6).pvalue)}
-    text = "\n".join(grid.format_paired([row]))
+    text = "\n".join(report.format_paired([row]))
     assert "staircase / retrieval-llm - none" in text and "3/5/1" in text
 
 
@@ -409,11 +409,11 @@ def test_death_causes_and_flags_are_pooled_over_the_seeds(grid):
     skipped = _per_run("staircase", "retrieval-llm", 3, "train", None, None, 0.0)  # not done: not pooled
     skipped.update(death_causes={"choking": 50}, flags=["x"], episodes=64)
     per_run.append(skipped)
-    [row] = grid.aggregate(per_run, Args)
+    [row] = analysis.aggregate(per_run, Args)
     assert row["episodes"] == 12 and row["flagged_runs"] == 2
     assert row["death_causes"] == {"choking": 4, "died": 3, "starving": 1}
     assert list(row["death_causes"]) == ["choking", "died", "starving"]  # largest first
-    text = grid.format_tables([row], per_run, Args)
+    text = report.format_tables([row], per_run, Args)
     line = next(l for l in text.splitlines() if l.startswith("staircase / retrieval-llm") and l.rstrip().endswith("2/3"))
     assert line.split()[3:9] == ["12", "8", "4", "3", "1", "0"], line
 
@@ -422,11 +422,11 @@ def test_paired_analysis_does_not_pair_episodes_of_different_games(grid):
     other_games = {"task": "staircase", "seed": 1, "episodes": 4, "workers": 1, "envs_per_worker": 4,
                    "max_episode_steps": 5000}
     per_run = [_evaluated("retrieval-llm", 0, "1100"), _evaluated("none", 0, "1000", games=other_games)]
-    [row] = grid.paired(per_run)
+    [row] = analysis.paired(per_run)
     assert row["success"]["n"] == 1 and row["success"]["mean"] == pytest.approx(0.25)
     assert row["episodes"] is None and "seed(s) 0" in row["episodes_unpaired"]
-    assert "not paired" in "\n".join(grid.format_paired([row]))
-    assert grid.paired([_evaluated("retrieval-llm", 0, "1100")]) == []  # no baseline in the grid
+    assert "not paired" in "\n".join(report.format_paired([row]))
+    assert analysis.paired([_evaluated("retrieval-llm", 0, "1100")]) == []  # no baseline in the grid
 
 
 def _run_folder(grid, tmp_path, target):
@@ -436,18 +436,18 @@ def _run_folder(grid, tmp_path, target):
 
 def test_an_evaluation_of_fewer_frames_is_kept_before_the_next_one(grid, tmp_path):
     run = _run_folder(grid, tmp_path, target=4096)
-    assert grid.keep_earlier_eval(run) is None  # no eval.json yet
+    assert launcher.keep_earlier_eval(run) is None  # no eval.json yet
     first = {"frames_trained": 2048, "success_rate": {"mean": 0.25, "n": 4}}
     (tmp_path / "eval.json").write_text(json.dumps(first))
-    kept = grid.keep_earlier_eval(run)
+    kept = launcher.keep_earlier_eval(run)
     assert kept == tmp_path / "eval_2048.json" and not (tmp_path / "eval.json").exists()
     assert json.loads(kept.read_text()) == first
     # an evaluation of as many frames (other --episodes, say) is redone in place, not kept
     (tmp_path / "eval.json").write_text(json.dumps({"frames_trained": 4096}))
-    assert grid.keep_earlier_eval(run) is None and (tmp_path / "eval.json").exists()
+    assert launcher.keep_earlier_eval(run) is None and (tmp_path / "eval.json").exists()
     (tmp_path / "eval_junk.json").write_text("{}")  # not a budget: ignored
     (tmp_path / "eval_1024.json").write_text("not json")  # unreadable: ignored
-    [earlier] = grid.earlier_evals(tmp_path)
+    [earlier] = analysis.earlier_evals(tmp_path)
     assert earlier["frames"] == 2048 and earlier["eval"]["success"] == 0.25
 
 
@@ -456,10 +456,10 @@ def test_progression_is_read_or_recomputed_from_the_episodes_of_an_older_eval_js
     older = {"success_rate": {"mean": 0.0, "n": 2}, "per_episode": episodes}  # before oni-eval scored progression
     # BALROG's table: dungeon level 5 -> 2.648 %, experience level 10 -> 17.910 %
     expected = (0.026482449457437766 + 0.17909953770432294) / 2
-    assert grid.eval_summary(older)["eval"]["progression"] == pytest.approx(expected)
+    assert analysis.eval_summary(older)["eval"]["progression"] == pytest.approx(expected)
     newer = dict(older, progression={"mean": 0.5, "n": 2})
-    assert grid.eval_summary(newer)["eval"]["progression"] == 0.5  # oni-eval's own is taken as it is
-    assert grid.eval_summary({"success_rate": {"mean": 0.0, "n": 2}})["eval"]["progression"] is None
+    assert analysis.eval_summary(newer)["eval"]["progression"] == 0.5  # oni-eval's own is taken as it is
+    assert analysis.eval_summary({"success_rate": {"mean": 0.0, "n": 2}})["eval"]["progression"] is None
 
 
 def test_by_frames_pairs_each_budget_and_matches_a_reference(grid, tmp_path):
@@ -484,7 +484,7 @@ def test_by_frames_pairs_each_budget_and_matches_a_reference(grid, tmp_path):
     per_run += [ladder("none", k, x, d) for k, (x, d) in enumerate(zip(none, none_depth))]
     per_run[0]["earlier_evals"].pop(0)  # seed 0 of ONI was not evaluated at 1M: that budget has 2 pairs
     per_run.append(_per_run("staircase", "none", 7, "resume", None, None, 0.0))  # nothing evaluated: left out
-    rows = grid.by_frames(per_run)
+    rows = analysis.by_frames(per_run)
     assert [(r["frames"], r["setting"], r["seeds"]) for r in rows] == [
         (1_000_000, "retrieval-llm", [1, 2]), (1_000_000, "none", [0, 1, 2]),
         (2_000_000, "retrieval-llm", [0, 1, 2]), (2_000_000, "none", [0, 1, 2]),
@@ -499,7 +499,7 @@ def test_by_frames_pairs_each_budget_and_matches_a_reference(grid, tmp_path):
     assert rows[0]["vs_baseline"]["success"]["n"] == 2  # 1M: ONI's seeds 1 and 2 against theirs
     assert rows[1]["vs_baseline"] == {"success": None, "max_dlvl": None, "progression": None}  # the baseline's own row
     assert rows[2]["eval"]["progression"]["mean"] == pytest.approx(rows[2]["eval"]["max_dlvl"]["mean"] / 10)
-    text = "\n".join(grid.format_by_frames(rows))
+    text = "\n".join(report.format_by_frames(rows))
     assert "By frames trained" in text and "vs none" in text
     line = next(l for l in text.splitlines() if l.startswith("staircase / retrieval-llm") and " 2M " in l)
     half = T975[2] * math.sqrt(1 / 48) / math.sqrt(3)  # success and its difference: both sd 0.144 over 3 seeds
@@ -510,35 +510,35 @@ def test_by_frames_pairs_each_budget_and_matches_a_reference(grid, tmp_path):
     mean, diff = rows[2]["eval"]["max_dlvl"]["mean"], depth["mean"]
     assert line.split()[13:17] == [f"{10 * mean:.2f}", f"±{10 * (rows[2]['eval']['max_dlvl']['ci95'][1] - mean):.2f}",
                                    f"{10 * diff:+.2f}", f"±{10 * (depth['ci95'][1] - depth['ci95'][0]) / 2:.2f}*"], line
-    [figure] = grid.plot_by_frames(rows, tmp_path)
+    [figure] = report.plot_by_frames(rows, tmp_path)
     assert figure == str(tmp_path / "staircase" / "by_frames.png")
     assert Path(figure).read_bytes()[:4] == b"\x89PNG"
-    assert grid.plot_by_frames([r for r in rows if r["frames"] == 1_000_000], tmp_path / "one") == []
+    assert report.plot_by_frames([r for r in rows if r["frames"] == 1_000_000], tmp_path / "one") == []
     # without an earlier evaluation the table would repeat the main one: nothing
     for run in per_run:
         run["earlier_evals"] = []
-    assert grid.by_frames(per_run) == [] and grid.format_by_frames([]) == []
+    assert analysis.by_frames(per_run) == [] and report.format_by_frames([]) == []
 
 
 def test_the_last_complete_metrics_row_is_read_from_the_tail(grid, tmp_path):
     path = tmp_path / "metrics.csv"
-    assert grid.last_metrics_row(path) is None  # no file
+    assert launcher.last_metrics_row(path) is None  # no file
     path.write_text("frames,time_s,fps\n")
-    assert grid.last_metrics_row(path) is None  # a header alone
+    assert launcher.last_metrics_row(path) is None  # a header alone
     rows = "".join(f"{128 * i},{i}.0,{1000 + i}\n" for i in range(1, 20_000))  # far over the 64 KiB read
     path.write_text("frames,time_s,fps\n" + rows + "2560128,20000.0,99")  # the last line being written
-    assert grid.last_metrics_row(path) == {"frames": 128 * 19_999, "time_s": 19_999.0, "fps": 20_999.0}
+    assert launcher.last_metrics_row(path) == {"frames": 128 * 19_999, "time_s": 19_999.0, "fps": 20_999.0}
     path.write_text("frames,time_s,fps,episode/success\n128,1.0,900,\n256,2.0,950,0.5\n")
-    assert grid.last_metrics_row(path) == {"frames": 256, "time_s": 2.0, "fps": 950.0, "episode/success": 0.5}
+    assert launcher.last_metrics_row(path) == {"frames": 256, "time_s": 2.0, "fps": 950.0, "episode/success": 0.5}
     path.write_text("frames,time_s,fps\n128,1.0,900\n256,2.0\n")  # a short row is skipped, not misread
-    assert grid.last_metrics_row(path) == {"frames": 128, "time_s": 1.0, "fps": 900.0}
+    assert launcher.last_metrics_row(path) == {"frames": 128, "time_s": 1.0, "fps": 900.0}
 
 
 def test_progress_lines_of_the_training_runs(grid, tmp_path, capsys):
     run = _run_folder(grid, tmp_path, target=100_000_000)
-    assert grid.progress_line(run) is None  # nothing logged yet
+    assert launcher.progress_line(run) is None  # nothing logged yet
     (tmp_path / "metrics.csv").write_text("frames,time_s,fps\n10000000,1200.0,8000\n")
-    assert grid.progress_line(run) == ("staircase/none/seed0: 10,000,000 of 100,000,000 frames (10 %), "
+    assert launcher.progress_line(run) == ("staircase/none/seed0: 10,000,000 of 100,000,000 frames (10 %), "
                                        "8,000 frames/s, about 3.1 h left")
 
     class Args:  # one command that outlives a status interval
@@ -546,29 +546,29 @@ def test_progress_lines_of_the_training_runs(grid, tmp_path, capsys):
 
     class Slow:
         parallel = 1
-        lock = grid.threading.RLock()
+        lock = launcher.threading.RLock()
         training = {run.name: run}
 
     import time as _time
     from unittest import mock
-    with mock.patch.object(grid, "execute", lambda *a: _time.sleep(0.8)):
-        grid.run_pool([run], Slow, Args, None, final=True)
+    with mock.patch.object(launcher, "execute", lambda *a: _time.sleep(0.8)):
+        launcher.run_pool([run], Slow, Args, None, final=True)
     lines = [l for l in capsys.readouterr().err.splitlines() if "10,000,000 of 100,000,000" in l]
     assert 1 <= len(lines) <= 4, lines
     Args.status_every = 0
-    with mock.patch.object(grid, "execute", lambda *a: _time.sleep(0.8)):
-        grid.run_pool([run], Slow, Args, None, final=True)
+    with mock.patch.object(launcher, "execute", lambda *a: _time.sleep(0.8)):
+        launcher.run_pool([run], Slow, Args, None, final=True)
     assert "frames/s" not in capsys.readouterr().err
 
 
 def test_curve_values_are_read_at_the_budgets(grid, tmp_path):
     rows = [{"frames": 512.0 * i, "time_s": float(i), "episode/success": i / 10} for i in range(1, 9)]
     rows[0].pop("episode/success")  # no episode had ended yet
-    assert grid.curve_value(rows, "episode/success", 2048) == pytest.approx(0.4)
-    assert grid.curve_value(rows, "episode/success", 4096) == pytest.approx(0.8)
-    assert grid.curve_value(rows, "episode/success", 4300) == pytest.approx(0.8)  # within one logging interval
-    assert grid.curve_value(rows, "episode/success", 8192) is None  # the run is not there yet
-    assert grid.curve_value(rows, "episode/dlvl", 2048) is None
+    assert analysis.curve_value(rows, "episode/success", 2048) == pytest.approx(0.4)
+    assert analysis.curve_value(rows, "episode/success", 4096) == pytest.approx(0.8)
+    assert analysis.curve_value(rows, "episode/success", 4300) == pytest.approx(0.8)  # within one logging interval
+    assert analysis.curve_value(rows, "episode/success", 8192) is None  # the run is not there yet
+    assert analysis.curve_value(rows, "episode/dlvl", 2048) is None
 
 
 @pytest.mark.slow

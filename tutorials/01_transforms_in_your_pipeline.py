@@ -178,6 +178,7 @@ with oni_transforms(annotator=ScriptedAnnotator()) as par_oni:
     parallel = TransformedEnv(ParallelEnv(PARALLEL_WORKERS, partial(GymEnv, "nle:NetHackScore-v0")), par_oni)
     par = parallel.rollout(100 if SMALL else 1000, break_when_any_done=False)
     parallel.close()
+    torch.set_num_threads(1)   # closing it gave this process a torch thread per core again; keep 1
     print("ParallelEnv:", par.batch_size, "msg_count", tuple(par["msg_count"].shape), "store:", len(par_oni.store))
 
 fast_oni = oni_transforms(annotator=ScriptedAnnotator())

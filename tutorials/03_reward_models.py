@@ -36,10 +36,10 @@ import os
 SMALL = os.environ.get("ONI_TUTORIAL_SMALL", "1") != "0"   # set to False for the bigger setting
 NUM_ENVS = 32 if SMALL else 128
 STEPS = 2000 if SMALL else 5000       # random-rollout length (distinct captions grow with it)
-CLS_STEPS = 300 if SMALL else 3000    # classifier gradient steps
-RANK_STEPS = 300 if SMALL else 3000   # ranking-model gradient steps
+CLS_STEPS = 200 if SMALL else 3000    # classifier gradient steps
+RANK_STEPS = 200 if SMALL else 3000   # ranking-model gradient steps
 PAIRS = 3000 if SMALL else 30000      # caption pairs sent for comparison
-BATCH = 64 if SMALL else 256
+BATCH = 32 if SMALL else 256
 ELLM_STEPS = 200 if SMALL else 1000   # steps per game judged by ELLM (section 6)
 # =========================================================================
 
