@@ -14,6 +14,11 @@ Rows:
                            cost with K games per process (each game has its own globals and
                            heap, and K of them share one core's caches)
   NLEBatchEnv(K)           the batched TorchRL env with every key, ``step_and_maybe_reset``
+                           (a TorchRL user's path: a TensorDict every step)
+  NLEBatchEnv(K), in place the env workers' path (``NLERolloutCollector``): the games write each
+                           step into ``[K, T]`` rollout buffers, the next root and the resets
+                           too, no TensorDict per step (random actions: the collector without
+                           its policy)
   ..., NetHack's step skipped  the same with each game's step a no-op: what TorchRL and the
                            observation packaging cost alone, with warm caches
   GymEnv (1 game)          TorchRL ``GymWrapper`` + copying wrapper + ``MessageCounter``
@@ -101,6 +106,43 @@ def _torchrl_loop(env):
     return run, env.close
 
 
+def _in_place_loop(env, rollout=32):
+    """The env workers' hot loop without the policy: what ``NLERolloutCollector`` does per step
+    (``_step_into`` the rollout's next-observation, carry it to the next root, ``_reset_into`` the
+    games that ended), into ``[K, T]`` buffers allocated once."""
+    td = env.reset()
+    K = env.batch_size[0]
+    fields = env.rollout_fields()
+    root = {name: np.zeros((K, rollout + 1) + tuple(td.get(key).shape[1:]), td.get(key).numpy().dtype)
+            for name, key in fields.items()}
+    nxt = {name: np.zeros((K, rollout) + arr.shape[2:], arr.dtype) for name, arr in root.items()}
+    nxt["reward"] = np.zeros((K, rollout, 1), np.float32)
+    for name, key in fields.items():
+        root[name][:, 0] = td.get(key).numpy()
+    roots = [{name: arr[:, t] for name, arr in root.items()} for t in range(rollout + 1)]
+    nexts = [{name: arr[:, t] for name, arr in nxt.items()} for t in range(rollout)]
+    game_blstats = env._live["state"]["game_blstats"].copy()
+    rng = np.random.default_rng(0)
+
+    def run(seconds):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            actions = rng.integers(0, env.num_actions, size=(rollout, K)).tolist()
+            for t in range(rollout):
+                out, then = nexts[t], roots[t + 1]
+                ended = env._step_into(actions[t], out, game_blstats)
+                for name in fields:
+                    np.copyto(then[name], out[name])
+                if ended:
+                    env._reset_into(ended, then, game_blstats)
+                n += K
+            for name in fields:  # the last root starts the next rollout
+                np.copyto(roots[0][name], roots[rollout][name])
+        return n / (time.perf_counter() - t0)
+
+    return run, env.close
+
+
 def _packaging_only(k):
     """The batched env with every game's step replaced by a no-op: TorchRL + packaging alone."""
     from torchrl_oni.envs import NLEBatchEnv
@@ -153,6 +195,7 @@ def main(argv=None):
             f"raw NLE (default keys), {k} games round-robin": _raw_gym_loop(games=k),
             f"task loop, {k} games": _task_loop(k),
             f"NLEBatchEnv({k})": _torchrl_loop(NLEBatchEnv("score", num_envs=k, seed=0)),
+            f"NLEBatchEnv({k}), in place": _in_place_loop(NLEBatchEnv("score", num_envs=k, seed=0)),
         }
         groups[k] = _interleaved({**baselines, **group}, slot * 0.95, args.rounds)
         for _, close in group.values():  # a group's games leave before the next group's arrive
@@ -175,6 +218,8 @@ def main(argv=None):
             "ratio": round(batched / raw, 3),
             "task_loop_k_fps": round(med[f"task loop, {k} games"]),
             "ratio_vs_k_game_loop": round(batched / med[f"task loop, {k} games"], 3),
+            "in_place_fps": round(med[f"NLEBatchEnv({k}), in place"]),
+            "in_place_vs_k_game_loop": round(med[f"NLEBatchEnv({k}), in place"] / med[f"task loop, {k} games"], 3),
             "ceiling": round(med[f"task loop, {k} games"] / raw, 3),
             "raw_k_fps": round(med[f"raw NLE (default keys), {k} games round-robin"]),
             "ratio_vs_raw_k": round(batched / med[f"raw NLE (default keys), {k} games round-robin"], 3),
@@ -197,10 +242,12 @@ def main(argv=None):
         close()
 
     best = max(per_k, key=lambda k: per_k[k]["ratio"])
-    print(f"\n{'K':>4} {'batched':>9} {'ratio':>7} {'ceiling':>8} {'vs K-game loop':>15} {'packaging µs/batch':>19}")
+    print(f"\n{'K':>4} {'batched':>9} {'ratio':>7} {'ceiling':>8} {'vs K-game loop':>15} {'in place':>9} "
+          f"{'in place vs K-game loop':>24} {'packaging µs/batch':>19}")
     for k, r in per_k.items():
         print(f"{k:>4} {r['batched_fps']:>9,} {r['ratio']:>7.3f} {r['ceiling']:>8.3f} "
-              f"{r['ratio_vs_k_game_loop']:>15.3f} {r['packaging_us']:>19.1f}")
+              f"{r['ratio_vs_k_game_loop']:>15.3f} {r['in_place_fps']:>9,} {r['in_place_vs_k_game_loop']:>24.3f} "
+              f"{r['packaging_us']:>19.1f}")
     print("ratio = NLEBatchEnv(K) / raw NLE loop (1 game, default keys); ceiling = the same K games "
           "stepped in plain Python, no TorchRL, / raw; packaging = one step_and_maybe_reset with "
           "NetHack's step skipped (warm caches)")
@@ -212,6 +259,8 @@ def main(argv=None):
         "envs": best,
         "ceiling": per_k[best]["ceiling"],
         "ratio_vs_k_game_loop": per_k[best]["ratio_vs_k_game_loop"],
+        # the workers' path, at every K: the goal is >= 0.85 of the K-game loop at K = 16 and 32
+        "in_place_vs_k_game_loop": {k: r["in_place_vs_k_game_loop"] for k, r in per_k.items()},
         "raw_same_keys_fps": round(statistics.median(m["raw NLE (our 3 keys)"] for m in groups.values())),
         "task_loop_fps": round(statistics.median(m["task loop, 1 game"] for m in groups.values())),
         "gymenv_fps": round(statistics.median(m["GymEnv (1 game)"] for m in groups.values())),

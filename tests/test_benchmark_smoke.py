@@ -123,6 +123,8 @@ def test_env_throughput_smoke():
         assert _number(result[key]) and 0 < result[key] < 100, key
     row = result["per_envs"]["2"]
     assert row["ratio"] == result["ratio"] and row["packaging_us"] > 0
+    assert "NLEBatchEnv(2), in place" in table, "the env workers' path is measured beside TorchRL's"
+    assert row["in_place_fps"] > 0 and result["in_place_vs_k_game_loop"] == {"2": row["in_place_vs_k_game_loop"]}
 
 
 def test_env_throughput_rejects_bad_flags():

@@ -6,6 +6,8 @@ steps K games in a plain Python loop, with NetHack writing each game's observati
 of shared ``[K, ...]`` arrays; one copy per key (fresh every step: a stored observation must
 never alias the next one) goes into ONE TensorDict, which amortises TorchRL's cost over K games.
 ``step_and_maybe_reset`` skips TorchRL's generic bookkeeping on ordinary steps (same data, tested).
+The env workers' collector (:class:`~torchrl_oni.train._rollout.NLERolloutCollector`) skips the
+per-step TensorDict altogether: ``_step_into`` writes the games' step into a rollout's buffers.
 
 Keys (batch size ``[K]``):
 
@@ -94,7 +96,8 @@ class GlyphWindows:
 
     def crop(self, games, x, y) -> np.ndarray:
         """Fresh ``[len(games), C, C]`` windows of ``games`` around map positions ``(x, y)``."""
-        return self._windows[games, y.clip(0, _MAP_H - 1), x.clip(0, _MAP_W - 1)]
+        # minimum/maximum, not clip: ndarray.clip's Python wrapper costs more than the indexing
+        return self._windows[games, np.minimum(np.maximum(y, 0), _MAP_H - 1), np.minimum(np.maximum(x, 0), _MAP_W - 1)]
 
 
 class _HashCache:
@@ -418,6 +421,83 @@ class NLEBatchEnv(EnvBase):
         if self._live["any_done"]:
             root = self.maybe_reset(root)
         return tensordict, root
+
+    # ------------------------------------------------------------------ in-place stepping
+    # The rollout collector's path (torchrl_oni/train/_rollout.py): the games write straight into
+    # numpy views of a rollout's preallocated [K, T, ...] buffers, no TensorDict per step. ``out``
+    # maps the names of :meth:`rollout_fields` (and ``"reward"`` for a step) to [K, ...] views
+    # of one time step; ``game_blstats`` [K, 27] is the caller's running copy of the last in-game
+    # blstats (taken from, and given back to, ``_live["state"]`` around a rollout).
+    def rollout_fields(self) -> dict:
+        """``{name: key}`` of every root entry one step of this env fills (observations, episode
+        statistics, done flags); ``("next", key)`` adds ``"reward"``."""
+        fields = {"message": MESSAGE_KEY, "hash": CAPTION_HASH_KEY, "count": MSG_COUNT_KEY,
+                  "blstats": "blstats", "crop": "crop"}
+        fields.update({key: key for key in self._screen_keys})
+        fields.update({name: ("episode", name) for name in EPISODE_STATS})
+        fields.update({key: key for key in ("done", "terminated", "truncated")})
+        return fields
+
+    def _episode_into(self, out: dict, game_blstats: np.ndarray, rows=slice(None)) -> None:
+        out["return"][rows] = self._ep_return[rows]
+        out["length"][rows] = self._ep_length[rows]
+        out["dlvl"][rows] = game_blstats[rows, nethack.NLE_BL_DEPTH]
+        out["xlvl"][rows] = game_blstats[rows, nethack.NLE_BL_XP]
+        out["gold"][rows] = game_blstats[rows, nethack.NLE_BL_GOLD]
+
+    def _step_into(self, actions: Sequence[int], out: dict, game_blstats: np.ndarray) -> list:
+        """:meth:`_step`'s arithmetic written into ``out``; returns the games that ended (ascending)."""
+        outcome = np.array([game.step_core(a) for game, a in zip(self.games, actions)], np.float64)
+        buf = self._obs_rows
+        np.copyto(out["message"], buf["message"])
+        blstats = buf["blstats"]
+        np.copyto(out["blstats"], blstats)
+        np.copyto(self._windows.interior, buf["glyphs"])
+        for key in self._screen_keys:
+            np.copyto(out[key], buf[key])
+        ks = self._all_rows
+        out["crop"][...] = self._windows.crop(ks, x=blstats[:, nethack.NLE_BL_X], y=blstats[:, nethack.NLE_BL_Y])
+        self._note_messages({"count": out["count"], "hash": out["hash"], "scout": out["scout"],
+                             "kills": out["kills"], "blstats": blstats, "game_blstats": game_blstats}, ks)
+        reward = outcome[:, 0].astype(np.float32)
+        np.add(self._ep_return, reward, out=self._ep_return)
+        np.add(self._ep_length, 1, out=self._ep_length)
+        out["reward"][:, 0] = reward
+        flags = outcome[:, 1:3] != 0
+        done = flags.any(1)
+        out["done"][:, 0] = done
+        out["terminated"][:, 0] = flags[:, 0]
+        out["truncated"][:, 0] = flags[:, 1]
+        out["end_status"][...] = outcome[:, 3].astype(np.int64)
+        out["success"][...] = outcome[:, 4] != 0
+        self._episode_into(out, game_blstats)
+        return np.flatnonzero(done).tolist() if done.any() else []
+
+    def _reset_into(self, rows: list, out: dict, game_blstats: np.ndarray) -> None:
+        """:meth:`_reset` of the games ``rows`` (a partial reset) written into those rows of ``out``."""
+        for i in rows:
+            self.games[i].reset(seed=self._seeds[i])
+            self._seeds[i] = None
+            self._counts[i].clear()
+        self._ep_return[rows] = 0.0
+        self._ep_length[rows] = 0
+        out["end_status"][rows] = 0
+        out["success"][rows] = False
+        st = dict(out, game_blstats=game_blstats)
+        self._observe(st, rows)  # with rows: in place, even when every game ended
+        self._note_messages(st, rows)
+        self._episode_into(out, game_blstats, rows)
+        for key in ("done", "terminated", "truncated"):
+            out[key][rows] = False
+
+    def _adopt_state(self, out: dict, game_blstats: np.ndarray) -> None:
+        """Makes ``out`` (the games' current observation, as written by the in-place path) this
+        env's state, so that a later :meth:`_reset` of some games keeps the others' (copies)."""
+        self._live["state"] = {
+            **{key: out[key].copy() for key in ("message", "blstats", "crop", "hash", "count", "scout", "kills",
+                                                 "end_status", "success") + self._screen_keys},
+            "game_blstats": game_blstats.copy(),
+        }
 
     def close(self, *, raise_if_closed: bool = True):
         for game in getattr(self, "games", ()):

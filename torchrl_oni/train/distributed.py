@@ -385,19 +385,22 @@ def make_local_collector(env_factories: Sequence[Callable], policy: torch.nn.Mod
     """The ``local`` backend: ``MultiAsyncCollector`` (:class:`LocalEnvCollector`), one process per
     factory on this machine (:class:`ServedPolicyCollector` when the workers act through a policy
     server); ``prefetch``: batches taken from the workers ahead of the trainer
-    (:attr:`LocalEnvCollector.prefetch`)."""
+    (:attr:`LocalEnvCollector.prefetch`). Each worker runs
+    :class:`~torchrl_oni.train._rollout.NLERolloutCollector`: TorchRL's ``Collector`` whose rollout
+    fills the batch in place, without a TensorDict per step, where it can."""
     import multiprocessing
 
     from torchrl.weight_update import SharedMemWeightSyncScheme
 
     from ..spawn_check import check_main_guard
+    from ._rollout import NLERolloutCollector
 
     # a script without a __main__ guard would hang TorchRL's collector start, under the start method
     # TorchRL will use: the one the user set (a script may choose "fork", which re-imports nothing,
     # as the tutorials do), else "spawn"
     check_main_guard(multiprocessing.get_start_method(allow_none=True) or "spawn")
     common = dict(frames_per_batch=frames_per_batch, total_frames=total_frames, device="cpu",
-                  storing_device="cpu", split_trajs=False, num_sub_threads=1)
+                  storing_device="cpu", split_trajs=False, num_sub_threads=1, collector_class=NLERolloutCollector)
     if exploration_type is not None:
         common["exploration_type"] = exploration_type
     if worker_policies is not None:

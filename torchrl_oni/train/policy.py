@@ -318,6 +318,14 @@ class PlainStep:
                     return cls(actor, encoder.module, encoder.in_keys, gru=core, head=head.module)
         return None
 
+    @staticmethod
+    def draw(logits: torch.Tensor, random: bool):
+        """``(action, log_prob)`` from ``logits`` ``[B, A]``: a categorical draw (``random``) or the
+        most likely action, as the actor's ``Categorical`` gives them."""
+        log_probs = torch.log_softmax(logits, -1)
+        action = torch.multinomial(log_probs.exp(), 1).squeeze(-1) if random else logits.argmax(-1)
+        return action, log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
+
     def __call__(self, td: TensorDictBase) -> Optional[TensorDictBase]:
         """The step's outputs for ``td`` ``[B]`` as a new TensorDict, or None when the current
         interaction type is one this step does not draw (mean, median)."""
@@ -337,13 +345,8 @@ class PlainStep:
             y, hidden = self.gru.gru(out_net.unsqueeze(1), state.transpose(0, 1).contiguous())
             logits = self.head(y[:, 0])
             next_state = hidden.transpose(0, 1)
-        log_probs = torch.log_softmax(logits, -1)
-        if kind is InteractionType.RANDOM:
-            action = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
-        else:
-            action = logits.argmax(-1)
-        out = TensorDict({"logits": logits, self.action_key: action,
-                          self.log_prob_key: log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)},
+        action, log_prob = self.draw(logits, kind is InteractionType.RANDOM)
+        out = TensorDict({"logits": logits, self.action_key: action, self.log_prob_key: log_prob},
                          batch_size=td.batch_size, device=td.device)
         if next_state is not None:
             out.set(self.next_state_key, next_state)

@@ -1,0 +1,192 @@
+"""One env worker's collector, in this process: TorchRL's ``Collector`` against the in-place rollout.
+
+What one ``local``-backend worker process runs, measured without the process around it: a
+collector over one :class:`~torchrl_oni.envs.NLEBatchEnv` of ``--envs`` games (the CPU default,
+32), rollout ``--rollout`` (32), the light policy acting on one torch thread. Rows:
+
+==========================  ==================================================================
+row                         what collects
+==========================  ==================================================================
+``torchrl``                 TorchRL's ``Collector`` (the worker before ``NLERolloutCollector``)
+``fast``                    :class:`~torchrl_oni.train._rollout.NLERolloutCollector`, the
+                            in-place rollout ``make_local_collector`` gives its workers
+``baseline-code``           with ``--baseline-code DIR``: the worker's collector of the
+                            checkout in DIR (``PYTHONPATH=DIR``, a subprocess kept for the
+                            whole run), what that code's ``make_local_collector`` uses
+==========================  ==================================================================
+
+Frames/s are frames over the CPU time of the collecting thread (``time.thread_time()``), so
+another load on the machine slows the rows less than it would wall-clock rates; rows take turns
+in ``--rounds`` interleaved rounds and the median round is reported. ``fast_over_torchrl`` is the
+ratio of the two medians.
+
+Usage: ``python benchmarks/collector_throughput.py --seconds 60 [--envs 32] [--rollout 32]
+[--rounds 5] [--baseline-code DIR]``. Output: a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+
+def _worker_collector_class(which: str):
+    """``torchrl``: TorchRL's ``Collector``; ``own``: the collector this code's workers use."""
+    from torchrl.collectors import Collector
+
+    if which == "torchrl":
+        return Collector
+    try:  # code from before the in-place rollout (--baseline-code): TorchRL's
+        from torchrl_oni.train._rollout import NLERolloutCollector
+    except ImportError:
+        return Collector
+    return NLERolloutCollector
+
+
+class _Measured:
+    """One collector over one worker's env, iterated in rounds of a given thread time."""
+
+    def __init__(self, which: str, envs: int, rollout: int, seed: int = 0):
+        import torch
+
+        from torchrl_oni.train.config import TrainConfig
+        from torchrl_oni.train.env_factory import make_env_factory
+        from torchrl_oni.train.policy import acting_copy, make_actor_critic
+
+        torch.set_num_threads(1)
+        cfg = TrainConfig(workers=1, envs_per_worker=envs, rollout=rollout, seed=seed).resolved()
+        env = make_env_factory(cfg, 0)()
+        torch.manual_seed(seed)
+        policy = acting_copy(make_actor_critic(env)[0])
+        cls = _worker_collector_class(which)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchRL's FutureWarnings about options the workers leave alone
+            self.collector = cls(env, policy, frames_per_batch=envs * rollout, total_frames=-1, device="cpu",
+                                 storing_device="cpu", split_trajs=False)
+        self.kind = cls.__name__
+        self.batches = iter(self.collector)
+        next(self.batches)  # warm-up: the first batch, the first games' starts
+
+    def round(self, seconds: float) -> dict:
+        frames, start = 0, time.thread_time()
+        while time.thread_time() - start < seconds:
+            frames += next(self.batches).numel()
+        cpu = time.thread_time() - start
+        return {"frames": frames, "cpu_s": cpu, "fps": frames / cpu}
+
+    def close(self):
+        self.collector.shutdown()
+
+
+class _Elsewhere:
+    """The same measurement by the package in another checkout: a subprocess answering rounds."""
+
+    def __init__(self, code_dir: str, envs: int, rollout: int):
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(code_dir) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.code_dir = code_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve", "--envs", str(envs), "--rollout", str(rollout)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=code_dir)
+        self.kind = self._answer()["kind"]
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read()[-2000:]
+            raise SystemExit(f"collector_throughput.py: error: the run with --baseline-code {self.code_dir} "
+                             f"failed: {' | '.join(err.strip().splitlines()[-3:])}")
+        return json.loads(line)
+
+    def round(self, seconds: float) -> dict:
+        self.proc.stdin.write(f"{seconds}\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self):
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def _serve(envs: int, rollout: int) -> int:
+    """``--serve``: this code's worker collector, one round per line of stdin (seconds), one JSON line each."""
+    measured = _Measured("own", envs, rollout)
+    print(json.dumps({"kind": measured.kind}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(measured.round(float(line))), flush=True)
+    measured.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    from torchrl_oni.cli_errors import OneLineArgumentParser
+
+    p = OneLineArgumentParser(prog="collector_throughput.py", description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=60.0, help="total CPU-time budget of the rounds (default 60)")
+    p.add_argument("--envs", type=int, default=32, help="games in the worker's env (default 32, the CPU default)")
+    p.add_argument("--rollout", type=int, default=32, help="steps per game in one batch (default 32)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every row (default 5)")
+    p.add_argument("--baseline-code", metavar="DIR", default=None,
+                   help="also measure the worker's collector of the checkout in DIR (today's code)")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a --baseline-code subprocess
+    args = p.parse_args(argv)
+    if not args.seconds > 0:
+        p.error(f"--seconds must be > 0, got {args.seconds:g}")
+    if args.envs < 1:
+        p.error(f"--envs must be >= 1, got {args.envs}")
+    if args.rollout < 2:
+        p.error(f"--rollout must be >= 2, got {args.rollout}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.baseline_code and not os.path.isdir(os.path.join(args.baseline_code, "torchrl_oni")):
+        p.error(f"--baseline-code {args.baseline_code}: no torchrl_oni package there")
+    if args.serve:
+        return _serve(args.envs, args.rollout)
+
+    rows = {"torchrl": _Measured("torchrl", args.envs, args.rollout),
+            "fast": _Measured("own", args.envs, args.rollout)}
+    if args.baseline_code:
+        rows["baseline-code"] = _Elsewhere(args.baseline_code, args.envs, args.rollout)
+    share = args.seconds / (args.rounds * len(rows))
+    results = {name: [] for name in rows}
+    try:
+        for rnd in range(args.rounds):
+            for name, row in rows.items():
+                results[name].append(row.round(share))
+            print(f"[round {rnd + 1}/{args.rounds}] " + ", ".join(
+                f"{name} {results[name][-1]['fps']:,.0f}" for name in rows) + " frames/s", flush=True)
+    finally:
+        for row in rows.values():
+            row.close()
+    fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
+    ratio = fps["fast"] / fps["torchrl"]
+    print(f"\none worker's collector in this process: {args.envs} games, rollout {args.rollout}, light policy, "
+          f"1 torch thread; frames per CPU second of the collecting thread, median of {args.rounds} round(s)")
+    print(f"{'row':<15} {'collector':<22} {'frames/s':>10} {'vs torchrl':>11}")
+    for name, row in rows.items():
+        print(f"{name:<15} {row.kind:<22} {fps[name]:>10,.0f} {fps[name] / fps['torchrl']:>10.2f}x")
+    out = {"benchmark": "collector_throughput", "envs": args.envs, "rollout": args.rollout,
+           "seconds": args.seconds, "rounds": args.rounds, "cpu_count": os.cpu_count(),
+           "fps": {name: round(v) for name, v in fps.items()},
+           "fast_over_torchrl": round(ratio, 3),
+           # paired: each round's two rows ran back to back, so a slower stretch of the machine hits both
+           "fast_over_torchrl_rounds": [round(f["fps"] / t["fps"], 3) for f, t in zip(results["fast"],
+                                                                                      results["torchrl"])],
+           "rounds_fps": {name: [round(r["fps"]) for r in res] for name, res in results.items()},
+           "collectors": {name: row.kind for name, row in rows.items()},
+           "baseline_code": args.baseline_code}
+    if args.baseline_code:
+        out["fast_over_baseline_code"] = round(fps["fast"] / fps["baseline-code"], 3)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

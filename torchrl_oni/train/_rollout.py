@@ -1,0 +1,253 @@
+"""An env worker's rollout without per-step packaging: TorchRL's ``Collector`` whose hot loop writes
+straight into the batch it returns.
+
+TorchRL's ``Collector.rollout`` builds a TensorDict every step (the env's output, the carrier's
+step_mdp copy, its reset merge), updates the carrier key by key, then stacks the T per-step
+TensorDicts into its preallocated ``[K, T]`` batch: with K = 32 NetHack games and the light
+policy on one thread, that bookkeeping and the env's own per-step TensorDict took about 30 % of a
+worker's time, NetHack itself about half. :class:`NLERolloutCollector` fills the same
+preallocated batch (``self._final_rollout``) in place: numpy views of its leaves are taken once
+per rollout, the games of an :class:`~torchrl_oni.envs.NLEBatchEnv` write step t's
+observations into ``("next", ...)[:, t]``, the root of step t + 1 is that next-observation, or
+the reset observation for the games that ended (TorchRL's semantics), and the policy's logits,
+action and log-probability go into ``[:, t]``. ``("collector", "traj_ids")`` advance from the
+collector's trajectory pool as TorchRL's ``_update_traj_ids`` does, and the carrier left behind
+is TorchRL's, so a later rollout on TorchRL's path continues where this one stopped.
+
+The fast path runs when the env is a plain ``NLEBatchEnv`` (no ``TransformedEnv``), the policy is
+an :class:`~torchrl_oni.train.policy.ActingActor` with a feed-forward
+:class:`~torchrl_oni.train.policy.PlainStep` (computed on plain tensors) or a policy server's
+:class:`~torchrl_oni.train.acting.WorkerPolicy` (called once a step on a TensorDict of its inputs
+only), everything is on the CPU, and none of the
+collector's unusual options is on (replay buffer, interruptor, ``reset_at_each_iter``, random
+frames, ``compact_obs``, trajectories per batch, compiled policies); anything else calls
+TorchRL's ``rollout``. ``tests/test_rollout.py`` compares both paths leaf by leaf.
+
+Example:
+    >>> import torch
+    >>> from torchrl.collectors import Collector
+    >>> from torchrl_oni.envs import NLEBatchEnv
+    >>> from torchrl_oni.train._rollout import NLERolloutCollector
+    >>> from torchrl_oni.train.policy import acting_copy, make_actor_critic
+    >>> def batches(cls, n=3):
+    ...     env = NLEBatchEnv("score", num_envs=2, seed=0, task_kwargs={"max_episode_steps": 5})
+    ...     torch.manual_seed(0)
+    ...     policy = acting_copy(make_actor_critic(env)[0])
+    ...     collector = cls(env, policy, frames_per_batch=8, total_frames=8 * n, device="cpu",
+    ...                     storing_device="cpu", auto_register_policy_transforms=False)
+    ...     out = [batch for batch in collector]
+    ...     collector.shutdown()
+    ...     return out, collector
+    >>> fast, collector = batches(NLERolloutCollector)
+    >>> torchrl, _ = batches(Collector)
+    >>> collector.fast_rollouts, fast[0].batch_size
+    (3, torch.Size([2, 4]))
+    >>> all((a == b).all() for a, b in zip(fast, torchrl))
+    True
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn.probabilistic import InteractionType, interaction_type
+from torchrl.collectors import Collector
+from torchrl.envs.utils import set_exploration_type
+
+from ..envs.batched import NLEBatchEnv
+from .policy import ActingActor
+
+__all__ = ["NLERolloutCollector"]
+
+_DRAWN = (InteractionType.RANDOM, InteractionType.MODE, InteractionType.DETERMINISTIC)
+_TRAJ_KEY = ("collector", "traj_ids")
+
+
+def _key(key) -> tuple:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+class _Plan(NamedTuple):
+    fields: dict  # name -> root key (tuple) of the env's entries
+    step: object  # the policy's PlainStep, or None: a served policy's client, called on a TensorDict
+    policy_keys: tuple  # the policy's outputs (tuples); with a PlainStep: logits, action, log-prob
+    in_keys: tuple  # the policy's inputs (tuples)
+    random: bool  # draw the action (else argmax; PlainStep only)
+
+
+class NLERolloutCollector(Collector):
+    """TorchRL's single-process ``Collector`` whose ``rollout`` fills its preallocated batch in
+    place when it can (see the module's docstring), and is TorchRL's own otherwise.
+
+    Attributes:
+        fast_rollouts: rollouts made on the in-place path (the others took TorchRL's).
+    """
+
+    fast_rollouts: int = 0
+
+    @torch.no_grad()
+    def rollout(self) -> TensorDictBase:
+        plan = self._fast_plan()
+        if plan is None:
+            return super().rollout()
+        if self.pre_collect_hook is not None:
+            self.pre_collect_hook()
+        with set_exploration_type(self.exploration_type):
+            result = self._fast_rollout(plan)
+        self.fast_rollouts += 1
+        return self._maybe_set_truncated(result)
+
+    # ------------------------------------------------------------------ when
+    def _fast_plan(self) -> Optional[_Plan]:
+        """What the in-place path needs, or None where TorchRL's rollout must run."""
+        env = self.env
+        if type(env) is not NLEBatchEnv or len(env.batch_size) != 1:
+            return None
+        if (env._post_step_mdp_hooks is not None or env.run_type_checks or not env._cpu
+                or env.__dict__.get("_compiled_step_and_maybe_reset") is not None
+                or env.__dict__.get("_torchrl_native_autoreset", False) or env._live["state"] is None):
+            return None
+        fr = getattr(self, "_final_rollout", None)
+        if (not isinstance(fr, TensorDict) or self.replay_buffer is not None or self.interruptor is not None
+                or self.reset_at_each_iter or self._should_use_random_frames() or self._compact_next_keys
+                or not self._use_buffers or self.compiled_policy or self.cudagraphed_policy
+                or self._cast_to_policy_device or self._cast_to_env_device or self._carrier_has_no_device
+                or getattr(self, "trajs_per_batch", None) is not None
+                or getattr(self, "_final_rollout_needs_init", False)):
+            return None
+        for device in (self.storing_device, self.policy_device, self.env_device, fr.device):
+            if device is None or torch.device(device).type != "cpu":
+                return None
+        policy = self._wrapped_policy
+        step = getattr(policy, "plain_step", None)
+        random = False
+        if type(policy) is ActingActor and step is not None and step.gru is None:
+            from torchrl.modules.tensordict_module.rnn import recurrent_mode
+
+            if recurrent_mode():
+                return None
+            with set_exploration_type(self.exploration_type):
+                kind = interaction_type() or step.default_interaction
+            if kind not in _DRAWN:
+                return None
+            random = kind is InteractionType.RANDOM
+            policy_keys = (("logits",), _key(step.action_key), _key(step.log_prob_key))
+            in_keys = tuple(_key(k) for k in step.in_keys)
+        else:
+            # a policy server's client: it reads its in_keys and writes its out_keys, nothing else
+            from .acting import WorkerPolicy
+
+            if type(policy) is not WorkerPolicy:
+                return None
+            step = None
+            policy_keys = tuple(_key(k) for k in policy.out_keys)
+            in_keys = tuple(_key(k) for k in policy.in_keys)
+            if _key(env.action_key) not in policy_keys:
+                return None
+        fields = {name: _key(key) for name, key in env.rollout_fields().items()}
+        if {_key(k) for k in self._policy_output_keys} != set(policy_keys):
+            return None
+        K, T = env.batch_size[0], self.frames_per_batch
+        if fr.batch_size != torch.Size([K, T]):
+            return None
+        obs_keys = set(fields.values())
+        if not all(k in obs_keys for k in in_keys):
+            return None
+        # exactly the leaves this path writes: anything else (a transform's key...) is TorchRL's
+        traj = {_TRAJ_KEY} if self.track_traj_ids else set()
+        expected = obs_keys | set(policy_keys) | traj | {("next",) + k for k in obs_keys} | {("next", "reward")}
+        if {_key(k) for k in fr.keys(True, True)} != expected:
+            return None
+        carrier = self._carrier
+        if not isinstance(carrier, TensorDict) or carrier.batch_size != env.batch_size:
+            return None
+        held = {_key(k) for k in carrier.keys(True, True)}
+        if not (obs_keys | traj) <= held <= (obs_keys | traj | set(policy_keys)):
+            return None
+        return _Plan(fields, step, policy_keys, in_keys, random)
+
+    # ------------------------------------------------------------------ how
+    def _fast_rollout(self, plan: _Plan) -> TensorDictBase:
+        env, fr, fields = self.env, self._final_rollout, plan.fields
+        K, T = fr.batch_size
+        # numpy views, taken per rollout: the multiprocess runner moves the batch to shared memory
+        root = {name: fr.get(key).numpy() for name, key in fields.items()}
+        nxt = {name: fr.get(("next",) + key).numpy() for name, key in fields.items()}
+        nxt["reward"] = fr.get(("next", "reward")).numpy()
+        new_root = {name: np.empty_like(arr[:, 0]) for name, arr in root.items()}  # the next carrier's
+        roots = [{name: arr[:, t] for name, arr in root.items()} for t in range(T)] + [new_root]
+        nexts = [{name: arr[:, t] for name, arr in nxt.items()} for t in range(T)]
+        carrier = self._carrier
+        for name, key in fields.items():
+            roots[0][name][...] = carrier.get(key).numpy()
+        game_blstats = env._live["state"]["game_blstats"].copy()
+
+        step = plan.step
+        net = step.net if step is not None else None
+        policy = self._wrapped_policy
+        inputs = [fr.get(k) for k in plan.in_keys]
+        policy_out = [fr.get(k) for k in plan.policy_keys]
+        action_at = plan.policy_keys.index(_key(env.action_key))
+        batch_size = env.batch_size
+        track = self.track_traj_ids
+        if track:
+            traj = carrier.get(_TRAJ_KEY).numpy().copy()
+            traj_out = fr.get(_TRAJ_KEY).numpy()
+            pool = self._traj_pool
+        random = plan.random
+        carried = list(fields)
+        done_rows: list = []
+        outputs: list = []
+        for t in range(T):
+            if net is not None:  # PlainStep's own step (feed-forward), on the batch's views
+                logits = net(*(x[:, t] for x in inputs))
+                outputs = [logits, *step.draw(logits, random)]
+            else:  # the served policy, on a TensorDict of its inputs only
+                request = TensorDict({k[0] if len(k) == 1 else k: x[:, t] for k, x in zip(plan.in_keys, inputs)},
+                                     batch_size=batch_size)
+                answer = policy(request)
+                outputs = [answer.get(k) for k in plan.policy_keys]
+            for dest, value in zip(policy_out, outputs):
+                dest[:, t] = value
+            action = outputs[action_at]
+            if track:
+                traj_out[:, t] = traj
+            # the games: step t's next-observation, then the root of step t + 1
+            out = nexts[t]
+            done_rows = env._step_into(action.tolist(), out, game_blstats)
+            then = roots[t + 1]
+            for name in carried:
+                np.copyto(then[name], out[name])
+            if done_rows:
+                env._reset_into(done_rows, then, game_blstats)
+                if track:  # TorchRL's _update_traj_ids: new ids from the pool, in row order
+                    traj[done_rows] = pool.get_traj_and_increment(len(done_rows), device="cpu").numpy()
+        env._adopt_state(new_root, game_blstats)
+        self._carrier = self._next_carrier(plan, new_root, outputs, done_rows, traj if track else None)
+        return fr
+
+    def _next_carrier(self, plan: _Plan, new_root: dict, outputs, done_rows: list, traj) -> TensorDict:
+        """The carrier TorchRL leaves after the rollout's last step: its root (step_mdp then the
+        partial reset), the policy's outputs carried over (zeros for the games just reset, as
+        ``_update_during_reset`` pads them, unless every game was) and the trajectory ids."""
+        env = self.env
+        K = env.batch_size[0]
+        source: dict = {}
+        for name, key in plan.fields.items():
+            node = source
+            for part in key[:-1]:
+                node = node.setdefault(part, {})
+            node[key[-1]] = torch.from_numpy(new_root[name])
+        for key, value in zip(plan.policy_keys, outputs):
+            value = value.clone()
+            if done_rows and len(done_rows) < K:
+                value[done_rows] = 0
+            node = source
+            for part in key[:-1]:
+                node = node.setdefault(part, {})
+            node[key[-1]] = value
+        if traj is not None:
+            source["collector"] = {"traj_ids": torch.from_numpy(traj)}
+        return TensorDict(source, batch_size=env.batch_size, device=env.device)
