@@ -310,6 +310,34 @@ def test_a_run_folder_of_another_configuration_is_refused(grid, tmp_path, capsys
     assert sorted(p.name for p in folder.iterdir()) == ["config.yaml"]  # nothing launched
 
 
+def test_a_run_trained_past_the_budget_is_not_evaluated_as_this_budgets(grid, tmp_path, capsys):
+    """A ladder restarted at a lower rung after its next rung began: the run folder holds a later
+    budget's checkpoint, and this budget's evaluation must stay what it was."""
+    from torchrl_oni.train.checkpoint import save_checkpoint
+    from torchrl_oni.train.config import TrainConfig
+    from torchrl_oni.train.ppo import write_config
+
+    root = tmp_path / "r"
+    folder = root / "staircase" / "none" / "seed0"
+    folder.mkdir(parents=True)
+    cfg = TrainConfig(task="staircase", frames=2048, workers=1, envs_per_worker=4, max_episode_steps=40,
+                      tensorboard=False, progress=False).resolved()
+    write_config(cfg, str(folder))
+    evaluation = json.dumps({"frames_trained": 2048, "episodes": 4, "seed": 0, "policy": "sampling"})
+    (folder / "eval.json").write_text(evaluation)
+    argv = ["--root", str(root), *TINY, "--rewards", "none", "--seeds", "0", "--dry-run"]
+    for frames, status in ((2048 + cfg.frames_per_update - 1, "eval"), (2048 + cfg.frames_per_update, "conflict")):
+        save_checkpoint({"frames": frames}, str(folder / "checkpoint.pt"))  # newer than eval.json
+        assert cli.main(argv) == 0
+        listed, _ = _json_line(capsys.readouterr().out)
+        assert listed["runs"][0]["status"] == status, frames
+    assert cli.main(argv[:-1]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sparse_tasks.py: error:") and len(err.splitlines()) == 1
+    assert f"trained to {2048 + cfg.frames_per_update:,} frames, past --frames 2,048" in err
+    assert (folder / "eval.json").read_text() == evaluation, "this budget's evaluation is left as it was"
+
+
 def _per_run(task, setting, seed, status, success, ret, curve):
     return {"task": task, "setting": setting, "reward": setting.split("-")[0], "annotator": None, "seed": seed,
             "status": status, "frames": 4096, "train_time_s": 10.0 + seed, "eval_time_s": 1.0,

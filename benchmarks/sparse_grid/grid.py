@@ -317,6 +317,13 @@ def inspect_run(run: Run, eval_args: argparse.Namespace) -> tuple:
         return "conflict", f"unreadable checkpoint ({err})", None
     if frames < run.target_frames:
         return "resume", f"from {frames:,} frames", frames
+    # a run stops at the first update past its budget; one trained a whole update or more past it
+    # was trained for a later budget (a ladder's next rung, stopped): evaluating it now would judge
+    # another policy as this budget's, and replace this budget's evaluation
+    update = getattr(run.config, "frames_per_update", 0) or 0
+    if run.target_frames and frames >= run.target_frames + max(update, 1):
+        return "conflict", (f"trained to {frames:,} frames, past --frames {run.target_frames:,} (a later budget's "
+                            f"run): continue it with --frames {frames:,} or more"), frames
     return "eval", "", frames
 
 
