@@ -176,6 +176,12 @@ class NLEBatchEnv(EnvBase):
         self._live = {"state": None, "any_done": False}
         self._cpu = self.device is None or self.device.type == "cpu"
         self._make_specs()
+        # one step's arrays, by rollout_fields' names: [K, ...] shapes and numpy dtypes from the specs
+        specs = {**dict(self.observation_spec.items(True, True)), **dict(self.done_spec.items(True, True))}
+        self._step_layout = {name: (tuple(specs[key].shape), torch.empty(0, dtype=specs[key].dtype).numpy().dtype)
+                             for name, key in self.rollout_fields().items()}
+        self._step_layout["reward"] = (tuple(self.reward_spec.shape), np.dtype(np.float32))
+        self._root_fields = [(name, key) for name, key in self.rollout_fields().items() if isinstance(key, str)]
         if seed is not None:
             self.set_seed(seed)
 
@@ -249,23 +255,15 @@ class NLEBatchEnv(EnvBase):
                 raise RuntimeError(f"NLEBatchEnv needs nle==1.3's Nethack internals ({e})") from e
             game.last_observation = nh._obs
 
-    def _observe(self, st: dict, rows=None) -> None:
-        """Fresh copies of the games' observations into ``st`` (``rows``: only those games)."""
+    def _observe(self, st: dict, rows) -> None:
+        """Copies of the games ``rows``' observations into those rows of ``st``."""
         buf = self._obs_rows
-        if rows is None:
-            st["message"] = buf["message"].copy()
-            st["blstats"] = blstats = buf["blstats"].copy()
-            np.copyto(self._windows.interior, buf["glyphs"])
-            ks = self._all_rows
-            for key in self._screen_keys:
-                st[key] = buf[key].copy()
-        else:
-            ks = np.asarray(rows, np.int64)
-            st["message"][ks] = buf["message"][ks]
-            st["blstats"][ks] = blstats = buf["blstats"][ks]
-            self._windows.interior[ks] = buf["glyphs"][ks]
-            for key in self._screen_keys:
-                st[key][ks] = buf[key][ks]
+        ks = np.asarray(rows, np.int64)
+        st["message"][ks] = buf["message"][ks]
+        st["blstats"][ks] = blstats = buf["blstats"][ks]
+        self._windows.interior[ks] = buf["glyphs"][ks]
+        for key in self._screen_keys:
+            st[key][ks] = buf[key][ks]
         st["crop"][ks] = self._windows.crop(ks, x=blstats[:, nethack.NLE_BL_X], y=blstats[:, nethack.NLE_BL_Y])
 
     def _note_messages(self, st: dict, rows) -> None:
@@ -292,48 +290,24 @@ class NLEBatchEnv(EnvBase):
         for i, last in dead:
             game_blstats[i] = last
 
-    def _to_tensordict(self, st: dict, extra: Optional[dict] = None) -> TensorDictBase:
+    def _fresh_step(self) -> dict:
+        """Fresh ``[K, ...]`` arrays for one step's entries (:meth:`rollout_fields` and ``reward``):
+        the TensorDict made of them owns them (a stored observation never aliases the next one)."""
+        return {name: np.empty(shape, dtype) for name, (shape, dtype) in self._step_layout.items()}
+
+    def _to_tensordict(self, out: dict, with_reward: bool) -> TensorDictBase:
+        """The TensorDict of one step's arrays (views: no copy)."""
         f = torch.from_numpy
-        from_blstats = st["game_blstats"][:, _EPISODE_BLSTATS].T.copy()  # dlvl, xlvl, gold rows
         shape = self.batch_size
         device = self.device if self._cpu else None
-        episode = {
-            "return": f(self._ep_return.copy()),
-            "length": f(self._ep_length.copy()),
-            "dlvl": f(from_blstats[0]),
-            "xlvl": f(from_blstats[1]),
-            "gold": f(from_blstats[2]),
-            "scout": f(st["scout"]),
-            "kills": f(st["kills"]),
-            "end_status": f(st["end_status"]),
-            "success": f(st["success"]),
-        }
-        source = {
-            MESSAGE_KEY: f(st["message"]),
-            CAPTION_HASH_KEY: f(st["hash"]),
-            MSG_COUNT_KEY: f(st["count"]),
-            "blstats": f(st["blstats"]),
-            "crop": f(st["crop"]),
-            "episode": TensorDict._new_unsafe(episode, batch_size=shape, device=device),
-        }
-        for key in self._screen_keys:
-            source[key] = f(st[key])
-        if extra:
-            source.update(extra)
+        source = {key: f(out[name]) for name, key in self._root_fields}
+        source["episode"] = TensorDict._new_unsafe({name: f(out[name]) for name in EPISODE_STATS},
+                                                   batch_size=shape, device=device)
+        if with_reward:
+            source["reward"] = f(out["reward"])
         if self._cpu:
             return TensorDict._new_unsafe(source, batch_size=shape, device=self.device)
         return TensorDict._new_unsafe(source, batch_size=shape).to(self.device, non_blocking=True)
-
-    def _new_state(self, end_status, success) -> dict:
-        K, C = self.num_envs, self.crop_size
-        return {
-            "message": None, "blstats": None,  # filled by _observe
-            "crop": np.empty((K, C, C), np.int16),
-            "hash": np.empty(K, np.int64), "count": np.empty(K, np.int64),
-            "scout": np.empty(K, np.int64), "kills": np.empty(K, np.int64),
-            "game_blstats": np.empty((K, 27), np.int64),
-            "end_status": end_status, "success": success,
-        }
 
     def _reset(self, tensordict: Optional[TensorDictBase] = None, **kwargs) -> TensorDictBase:
         reset_mask = None
@@ -342,50 +316,28 @@ class NLEBatchEnv(EnvBase):
         K = self.num_envs
         old = self._live["state"]
         if reset_mask is None or old is None:
-            indices = list(range(K))
-            st = self._new_state(np.zeros(K, np.int64), np.zeros(K, bool))
+            rows = list(range(K))
+            out = self._fresh_step()
+            game_blstats = np.empty((K, 27), np.int64)
         else:
-            indices = reset_mask.reshape(K).nonzero().flatten().tolist()
-            st = {k: v.copy() for k, v in old.items()}  # games not reset keep their observation
-        for i in indices:
-            self.games[i].reset(seed=self._seeds[i])
-            self._seeds[i] = None  # seeded once; later episodes derive their seeds
-            self._counts[i].clear()
-        self._ep_return[indices] = 0.0
-        self._ep_length[indices] = 0
-        st["end_status"][indices] = 0
-        st["success"][indices] = False
-        self._observe(st, None if len(indices) == K else indices)
-        self._note_messages(st, indices)
-        self._live["state"] = st
-        zeros = torch.zeros(self.batch_size + (1,), dtype=torch.bool)
-        return self._to_tensordict(st, {"done": zeros, "terminated": zeros.clone(), "truncated": zeros.clone()})
+            rows = reset_mask.reshape(K).nonzero().flatten().tolist()
+            # games not reset keep their observation (copies: the last step's TensorDict owns its own)
+            out = {name: old[name].copy() for name in self._step_layout if name != "reward"}
+            game_blstats = old["game_blstats"]
+        self._reset_into(rows, out, game_blstats)
+        for key in ("done", "terminated", "truncated"):  # TorchRL's reset: no game has ended
+            out[key][...] = False
+        self._live["state"] = {**out, "game_blstats": game_blstats}
+        return self._to_tensordict(out, with_reward=False)
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         K = self.num_envs
-        actions = tensordict.get("action").reshape(K).tolist()
-        # one row per game: reward, terminated, truncated, end_status, success
-        outcome = np.array([game.step_core(a) for game, a in zip(self.games, actions)], np.float64)
-        flags = outcome[:, 1:3] != 0
-        st = self._new_state(outcome[:, 3].astype(np.int64), outcome[:, 4] != 0)
-        self._observe(st)
-        self._note_messages(st, self._all_rows)
-        reward = outcome[:, 0].astype(np.float32)
-        np.add(self._ep_return, reward, out=self._ep_return)
-        np.add(self._ep_length, 1, out=self._ep_length)
-        self._live["state"] = st
-        f = torch.from_numpy
-        done = flags.any(1, keepdims=True)
-        self._live["any_done"] = bool(done.any())
-        return self._to_tensordict(
-            st,
-            {
-                "reward": f(reward).unsqueeze(-1),
-                "done": f(done),
-                "terminated": f(flags[:, 0:1].copy()),
-                "truncated": f(flags[:, 1:2].copy()),
-            },
-        )
+        out = self._fresh_step()
+        game_blstats = self._live["state"]["game_blstats"]
+        ended = self._step_into(tensordict.get("action").reshape(K).tolist(), out, game_blstats)
+        self._live["any_done"] = bool(ended)
+        self._live["state"] = {**out, "game_blstats": game_blstats}
+        return self._to_tensordict(out, with_reward=True)
 
     def _step_and_maybe_reset(self, tensordict: TensorDictBase):
         """``step`` + ``step_mdp`` + ``maybe_reset`` with TorchRL's semantics, minus its generic cost.
@@ -457,8 +409,7 @@ class NLEBatchEnv(EnvBase):
             np.copyto(out[key], buf[key])
         ks = self._all_rows
         out["crop"][...] = self._windows.crop(ks, x=blstats[:, nethack.NLE_BL_X], y=blstats[:, nethack.NLE_BL_Y])
-        self._note_messages({"count": out["count"], "hash": out["hash"], "scout": out["scout"],
-                             "kills": out["kills"], "blstats": blstats, "game_blstats": game_blstats}, ks)
+        self._note_messages({**out, "blstats": blstats, "game_blstats": game_blstats}, ks)
         reward = outcome[:, 0].astype(np.float32)
         np.add(self._ep_return, reward, out=self._ep_return)
         np.add(self._ep_length, 1, out=self._ep_length)
@@ -492,12 +443,9 @@ class NLEBatchEnv(EnvBase):
 
     def _adopt_state(self, out: dict, game_blstats: np.ndarray) -> None:
         """Makes ``out`` (the games' current observation, as written by the in-place path) this
-        env's state, so that a later :meth:`_reset` of some games keeps the others' (copies)."""
-        self._live["state"] = {
-            **{key: out[key].copy() for key in ("message", "blstats", "crop", "hash", "count", "scout", "kills",
-                                                 "end_status", "success") + self._screen_keys},
-            "game_blstats": game_blstats.copy(),
-        }
+        env's state, so that a later :meth:`_step` or :meth:`_reset` continues from it (copies)."""
+        self._live["state"] = {**{name: out[name].copy() for name in self.rollout_fields()},
+                               "game_blstats": game_blstats.copy()}
 
     def close(self, *, raise_if_closed: bool = True):
         for game in getattr(self, "games", ()):
