@@ -255,15 +255,24 @@ class NLEBatchEnv(EnvBase):
                 raise RuntimeError(f"NLEBatchEnv needs nle==1.3's Nethack internals ({e})") from e
             game.last_observation = nh._obs
 
-    def _observe(self, st: dict, rows) -> None:
-        """Copies of the games ``rows``' observations into those rows of ``st``."""
+    def _observe(self, st: dict, rows=None) -> None:
+        """Copies of the games' observations into ``st`` (``rows``: only those games' rows)."""
         buf = self._obs_rows
-        ks = np.asarray(rows, np.int64)
-        st["message"][ks] = buf["message"][ks]
-        st["blstats"][ks] = blstats = buf["blstats"][ks]
-        self._windows.interior[ks] = buf["glyphs"][ks]
-        for key in self._screen_keys:
-            st[key][ks] = buf[key][ks]
+        if rows is None:  # every game: whole-array copies, no fancy indexing
+            ks = self._all_rows
+            np.copyto(st["message"], buf["message"])
+            np.copyto(st["blstats"], buf["blstats"])
+            blstats = buf["blstats"]
+            np.copyto(self._windows.interior, buf["glyphs"])
+            for key in self._screen_keys:
+                np.copyto(st[key], buf[key])
+        else:
+            ks = np.asarray(rows, np.int64)
+            st["message"][ks] = buf["message"][ks]
+            st["blstats"][ks] = blstats = buf["blstats"][ks]
+            self._windows.interior[ks] = buf["glyphs"][ks]
+            for key in self._screen_keys:
+                st[key][ks] = buf[key][ks]
         st["crop"][ks] = self._windows.crop(ks, x=blstats[:, nethack.NLE_BL_X], y=blstats[:, nethack.NLE_BL_Y])
 
     def _note_messages(self, st: dict, rows) -> None:
@@ -398,18 +407,11 @@ class NLEBatchEnv(EnvBase):
         out["gold"][rows] = game_blstats[rows, nethack.NLE_BL_GOLD]
 
     def _step_into(self, actions: Sequence[int], out: dict, game_blstats: np.ndarray) -> list:
-        """:meth:`_step`'s arithmetic written into ``out``; returns the games that ended (ascending)."""
+        """One step of every game written into ``out``; returns the games that ended (ascending)."""
         outcome = np.array([game.step_core(a) for game, a in zip(self.games, actions)], np.float64)
-        buf = self._obs_rows
-        np.copyto(out["message"], buf["message"])
-        blstats = buf["blstats"]
-        np.copyto(out["blstats"], blstats)
-        np.copyto(self._windows.interior, buf["glyphs"])
-        for key in self._screen_keys:
-            np.copyto(out[key], buf[key])
-        ks = self._all_rows
-        out["crop"][...] = self._windows.crop(ks, x=blstats[:, nethack.NLE_BL_X], y=blstats[:, nethack.NLE_BL_Y])
-        self._note_messages({**out, "blstats": blstats, "game_blstats": game_blstats}, ks)
+        st = dict(out, game_blstats=game_blstats)
+        self._observe(st)
+        self._note_messages(st, self._all_rows)
         reward = outcome[:, 0].astype(np.float32)
         np.add(self._ep_return, reward, out=self._ep_return)
         np.add(self._ep_length, 1, out=self._ep_length)
@@ -428,14 +430,14 @@ class NLEBatchEnv(EnvBase):
         """:meth:`_reset` of the games ``rows`` (a partial reset) written into those rows of ``out``."""
         for i in rows:
             self.games[i].reset(seed=self._seeds[i])
-            self._seeds[i] = None
+            self._seeds[i] = None  # seeded once; later episodes derive their seeds
             self._counts[i].clear()
         self._ep_return[rows] = 0.0
         self._ep_length[rows] = 0
         out["end_status"][rows] = 0
         out["success"][rows] = False
         st = dict(out, game_blstats=game_blstats)
-        self._observe(st, rows)  # with rows: in place, even when every game ended
+        self._observe(st, rows)  # by rows, even when every game ended
         self._note_messages(st, rows)
         self._episode_into(out, game_blstats, rows)
         for key in ("done", "terminated", "truncated"):

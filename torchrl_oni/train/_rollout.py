@@ -234,20 +234,14 @@ class NLERolloutCollector(Collector):
         ``_update_during_reset`` pads them, unless every game was) and the trajectory ids."""
         env = self.env
         K = env.batch_size[0]
-        source: dict = {}
+        carrier = TensorDict({}, batch_size=env.batch_size, device=env.device)
         for name, key in plan.fields.items():
-            node = source
-            for part in key[:-1]:
-                node = node.setdefault(part, {})
-            node[key[-1]] = torch.from_numpy(new_root[name])
+            carrier.set(key, torch.from_numpy(new_root[name]))
         for key, value in zip(plan.policy_keys, outputs):
             value = value.clone()
             if done_rows and len(done_rows) < K:
                 value[done_rows] = 0
-            node = source
-            for part in key[:-1]:
-                node = node.setdefault(part, {})
-            node[key[-1]] = value
+            carrier.set(key, value)
         if traj is not None:
-            source["collector"] = {"traj_ids": torch.from_numpy(traj)}
-        return TensorDict(source, batch_size=env.batch_size, device=env.device)
+            carrier.set(_TRAJ_KEY, torch.from_numpy(traj))
+        return carrier

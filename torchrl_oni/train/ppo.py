@@ -93,10 +93,14 @@ def _worker_death(err: BaseException, procs: Sequence = ()) -> Optional[str]:
             return None
         # the worker that died first is the one TorchRL did not terminate itself
         i, code = next(((i, c) for i, c in dead if c != -signal.SIGTERM), dead[0])
-        text, err = f"At least one process failed: worker {i} (exit code {code})", RuntimeError()
+        return _in_words(f"worker {i} (exit code {code})")
     if not isinstance(err, RuntimeError) or "process failed" not in text:
         return None
-    detail = text.split(":", 1)[-1].split(". Check")[0].strip().rstrip(".")
+    return _in_words(text.split(":", 1)[-1].split(". Check")[0].strip().rstrip("."))
+
+
+def _in_words(detail: str) -> str:
+    """``worker I (exit code C)`` with the signal named when the code is one."""
     code = re.search(r"exit code (-?\d+)", detail)
     if code and int(code.group(1)) < 0:
         sig = -int(code.group(1))
