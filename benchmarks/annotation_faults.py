@@ -212,7 +212,7 @@ class _TrainerHook(TrainHook):
 
     def after_update(self, trainer):
         if time.monotonic() - self.t0 > self.seconds:
-            trainer.cfg.frames = trainer.frames
+            trainer.total_frames = trainer.frames
 
 
 def run_trainer(args, hook: _TrainerHook) -> None:

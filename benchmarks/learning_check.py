@@ -220,7 +220,7 @@ def main(argv=None):
     env.close()
     if ellm:
         (tr_goals, rd_goals), (tr_cov, rd_cov), no_goals = ellm_goals_per_episode(
-            trainer.cfg, (trained_eps, random_eps), args.goal_seconds)
+            trainer.run.cfg, (trained_eps, random_eps), args.goal_seconds)
 
     # judge every caption of both evaluations with the training run's annotator
     store_path = os.path.join(logdir, "captions.pt")
@@ -268,7 +268,7 @@ def main(argv=None):
     result = {
         "frames": int(summary["frames"]), "train_s": round(train_s), "annotator": args.annotator,
         "intrinsic_reward": args.intrinsic_reward, "frames_per_update": cfg.frames_per_update, "acting": args.acting,
-        "prefetch_batches": trainer.cfg.distributed.prefetch_batches, "compile": args.compile,
+        "prefetch_batches": trainer.run.cfg.distributed.prefetch_batches, "compile": args.compile,
         "approved_per_episode_trained": round(tr_ep, 3), "approved_per_episode_random": round(rd_ep, 3),
         "approved_per_1k_steps_trained": round(tr_k, 3), "approved_per_1k_steps_random": round(rd_k, 3),
         "ratio": round(tr_ep / max(rd_ep, 1e-9), 3), "unlabelled_captions": int(missing),

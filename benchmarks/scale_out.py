@@ -41,7 +41,7 @@ class _Clock(TrainHook):
 
     def after_update(self, trainer):
         if time.perf_counter() - self.t_first > self.seconds:
-            trainer.cfg.frames = trainer.frames
+            trainer.total_frames = trainer.frames
 
 
 def run(backend: str, seconds: float, args) -> dict:

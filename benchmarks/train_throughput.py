@@ -85,7 +85,10 @@ def timed_trainer(cfg, seconds: float, trainer_cls=None):
             if self.t0 is None:
                 self.t0 = time.perf_counter()
             elif time.perf_counter() - self.t0 > seconds:
-                trainer.cfg.frames = trainer.frames
+                if hasattr(trainer, "total_frames"):
+                    trainer.total_frames = trainer.frames
+                else:  # code from before the trainer held its budget (--baseline-code)
+                    trainer.cfg.frames = trainer.frames
 
     trainer_cls = trainer_cls or Trainer
     if hasattr(trainer_cls, "from_config"):
@@ -145,6 +148,7 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         summary = trainer.train()
     wall = time.perf_counter() - t0
     steady, last, stages = steady_state(read_metrics(logdir))
+    record = trainer.run.cfg if hasattr(trainer, "run") else trainer.cfg  # the latter: --baseline-code
     return {
         "fps": steady,
         "fps_incl_startup": summary["frames"] / wall,
@@ -155,8 +159,8 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         "outside_loss_share": last.get("learner/outside_loss_share"),
         "gpu_util": util.mean() if util is not None else None,
         "acting": {k: v for k, v in last.items() if k.startswith("acting/")},
-        "prefetch_batches": getattr(trainer.cfg.distributed, "prefetch_batches", None),  # as resolved
-        "compile": getattr(trainer.cfg.ppo, "compile", None),
+        "prefetch_batches": getattr(record.distributed, "prefetch_batches", None),  # as resolved
+        "compile": getattr(record.ppo, "compile", None),
     }
 
 

@@ -73,13 +73,20 @@ def run(seconds: float, arch: str, device: str, frames_per_update: int, intrinsi
                       logdir=logdir, progress=False, tensorboard=False, checkpoint_every=10**9,
                       minibatch_size=frames_per_update, **extra)
 
-    class StandInTrainer(Trainer):
+    class StandInTrainer(Trainer):  # code from before the env workers were the run's own part (--baseline-code)
         def _make_collector(self, total_frames: int):
             self.collector = _StandInCollector(batch, total_frames)
             return self.collector
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))  # what the trainer keeps beside its workers
     trainer = timed_trainer(cfg, seconds, StandInTrainer)
+    workers = getattr(trainer, "workers", None)
+    if workers is not None:
+        def stand_in(actor, device, primer_spec, total_frames, restarts_seed):
+            workers.collector = _StandInCollector(batch, total_frames)
+            return workers.collector
+
+        workers._make_collector = stand_in
     trainer.train()
     fps, last, stages = steady_state(read_metrics(logdir))
     return {"arch": arch, "frames_per_update": frames_per_update, "intrinsic_reward": intrinsic_reward,

@@ -84,10 +84,10 @@ def test_python_config_with_an_intrinsic_reward_trains_with_its_coefficient(tmp_
     cfg = TrainConfig(intrinsic_reward="retrieval", annotator="scripted", frames=64, workers=1, envs_per_worker=2,
                       logdir=str(tmp_path), progress=False, tensorboard=False)
     trainer = Trainer.from_config(cfg, intrinsic=False)  # the coefficient, not the hook
-    assert trainer.cfg.reward.intrinsic_coeff == 0.4
+    assert trainer.run.cfg.reward.intrinsic_coeff == 0.4
     batch = TensorDict({("next", "reward"): torch.zeros(4, 1),
                         ("next", "intrinsic_reward"): torch.tensor([[1.0], [0.0], [0.5], [0.0]])}, [4])
-    shaped = trainer.shape_reward(batch).get(("next", "reward")).squeeze(-1)
+    shaped = trainer.shaping(batch).get(("next", "reward")).squeeze(-1)
     assert shaped.tolist() == pytest.approx([0.4, 0.0, 0.2, 0.0])
 
 

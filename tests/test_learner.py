@@ -330,7 +330,7 @@ def test_trainer_acts_through_the_policy_server(tmp_path):
     assert summary["frames"] == 6 * 256
     row = read_metrics(str(tmp_path))[-1]
     assert row["acting/requests"] > 0 and row["acting/mean_batch_games"] >= 8
-    served = dict(trainer.server.model.actor.named_parameters())  # holds the weights of the last update
+    served = dict(trainer.workers.server.model.actor.named_parameters())  # holds the weights of the last update
     for name, p in trainer.actor.named_parameters():
         torch.testing.assert_close(served[name].cpu(), p.detach().cpu())
 

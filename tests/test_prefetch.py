@@ -182,7 +182,7 @@ def test_a_run_with_prefetch_trains_every_frame_once(tmp_path):
     cfg = TrainConfig(frames=6 * 128, workers=2, envs_per_worker=4, rollout=32, frames_per_update=256,
                       prefetch_batches=2, minibatch_size=128, logdir=str(tmp_path), progress=False, tensorboard=False)
     trainer = Trainer.from_config(cfg)
-    assert trainer.cfg.distributed.prefetch_batches == 2
+    assert trainer.run.cfg.distributed.prefetch_batches == 2
     seen = []
     original = trainer._ppo_update
     trainer._ppo_update = lambda batch: (seen.append(batch.clone()), original(batch))[1]

@@ -268,7 +268,7 @@ class _Record(TrainHook):
 
     def on_batch(self, batch, trainer):
         self.frames += batch.numel()
-        self.workers.append(trainer.collector.last_worker)
+        self.workers.append(trainer.workers.collector.last_worker)
         return batch
 
 
@@ -277,7 +277,7 @@ def test_train_across_two_nodes_then_resume(cluster, tmp_path):
     record = _Record()
     trainer = Trainer.from_config(_config(tmp_path, cluster), hooks=[record])
     summary = trainer.train()
-    nodes = {node for node, _ in trainer.collector.worker_nodes}
+    nodes = {node for node, _ in trainer.workers.collector.worker_nodes}
     assert nodes == {n.node_id for n in cluster.worker_nodes}  # one actor on each worker node
     assert summary["frames"] == 2048 == record.frames and trainer.iterations == 16
     assert set(record.workers) == {0, 1}
@@ -300,7 +300,7 @@ def test_training_survives_a_dead_actor_and_a_dead_node(cluster, tmp_path, caplo
         stages = ("batch", "post_update")
 
         def after_update(self, trainer):
-            collector = trainer.collector
+            collector = trainer.workers.collector
             if trainer.iterations == 3:
                 ray.kill(collector.remote_collectors[0], no_restart=False)  # a crash: Ray restarts it
             if trainer.iterations == 4:  # let the restart happen before the node goes

@@ -283,7 +283,7 @@ def test_trainer_state_dict_loads_with_weights_only(tmp_path):
     trainer.frames, trainer.iterations = 128, 2
     path = trainer.save()
     state = load_checkpoint(path, required=TRAINER_KEYS)
-    assert state["frames"] == 128 and state["config"] == trainer.cfg.to_dict()
+    assert state["frames"] == 128 and state["config"] == trainer.run.cfg.to_dict()
     assert state["optimizer"]["state"], "the optimizer state did not travel"
     for k, v in trainer.actor.state_dict().items():
         assert torch.equal(state["actor"][k], v)

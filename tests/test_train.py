@@ -7,8 +7,10 @@ import torch
 
 from helpers import run_cli, tiny_config
 from torchrl_oni.train import TrainConfig, Trainer, TrainHook
+from torchrl_oni.train.build import build_run
 from torchrl_oni.train.checkpoint import load_checkpoint, save_checkpoint
 from torchrl_oni.train.run_log import read_metrics
+from torchrl_oni.train.shaping import RewardShaping
 
 
 def _cfg(tmp_path, **kw):
@@ -57,15 +59,36 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["checkpoint.pt"]  # no temp file left behind
 
 
+@pytest.mark.slow
+def test_the_trainer_reads_its_sections_not_the_tree(tmp_path):
+    """build_run hands each part its own sections; the trainer gets the run, ``ppo`` and ``log``,
+    and the whole tree reaches it only as the run's record (config.yaml, the checkpoint)."""
+    cfg = _cfg(tmp_path, frames=512).resolved()
+    run = build_run(cfg)
+
+    class Record:  # the tree with every setting hidden: what is left is writing it down
+        def to_dict(self):
+            return cfg.to_dict()
+
+        def to_yaml(self):
+            return cfg.to_yaml()
+
+    run.cfg = Record()
+    trainer = Trainer(run, cfg.ppo, cfg.log)
+    assert trainer.train()["frames"] >= 512
+    assert load_checkpoint(trainer.checkpoint_path)["config"] == cfg.to_dict()
+    with open(os.path.join(cfg.log.logdir, "config.yaml")) as f:
+        assert TrainConfig.from_yaml(f.read()).to_dict() == cfg.to_dict()
+
+
 def test_shaped_reward_uses_coefficients_and_clip(tmp_path):
     from tensordict import TensorDict
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg = _cfg(tmp_path, extrinsic_coeff=0.1, intrinsic_coeff=0.5, intrinsic_reward="retrieval", extrinsic_clip=10.0)
-    trainer.value_heads = 1
+    cfg = _cfg(tmp_path, extrinsic_coeff=0.1, intrinsic_coeff=0.5, intrinsic_reward="retrieval", extrinsic_clip=10.0)
+    shaping = RewardShaping(cfg.reward)
     batch = TensorDict({("next", "reward"): torch.tensor([[50.0], [-1.0]]),
                         ("next", "intrinsic_reward"): torch.tensor([[1.0], [0.0]])}, batch_size=[2])
-    trainer.shape_reward(batch)
+    shaping(batch)
     assert torch.allclose(batch["next", "reward"], torch.tensor([[0.1 * 10 + 0.5], [-0.1]]))
     assert torch.equal(batch["next", "extrinsic_reward"], torch.tensor([[50.0], [-1.0]]))
 
@@ -74,15 +97,14 @@ def test_shaped_reward_uses_coefficients_and_clip(tmp_path):
 def test_death_penalty_and_survival_bonus_are_paid_on_the_right_steps(tmp_path, value_heads):
     from tensordict import TensorDict
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg = _cfg(tmp_path, extrinsic_coeff=0.1, intrinsic_coeff=0.5, intrinsic_reward="retrieval",
-                       death_penalty=3.0, survival_bonus=0.25)
-    trainer.value_heads = value_heads
+    cfg = _cfg(tmp_path, extrinsic_coeff=0.1, intrinsic_coeff=0.5, intrinsic_reward="retrieval",
+               death_penalty=3.0, survival_bonus=0.25)
+    shaping = RewardShaping(cfg.reward, value_heads)
     # step 0 lives on, step 1 dies (NLE's DEATH), step 2 succeeds (the task's status 2), step 3 times out (-1)
     batch = TensorDict({("next", "reward"): torch.tensor([[1.0], [0.0], [50.0], [0.0]]),
                         ("next", "intrinsic_reward"): torch.tensor([[1.0], [1.0], [0.0], [0.0]]),
                         ("next", "episode", "end_status"): torch.tensor([0, 1, 2, -1])}, batch_size=[4])
-    trainer.shape_reward(batch)
+    shaping(batch)
     mixed = torch.tensor([0.1 + 0.5, 0.5, 1.0, 0.0])  # the coefficients and the clip at 10, as without the options
     expected = mixed + torch.tensor([0.25, -3.0, 0.25, 0.25])
     assert torch.allclose(batch["next", "reward"].squeeze(-1), expected)

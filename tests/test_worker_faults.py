@@ -19,10 +19,11 @@ import torch
 
 from helpers import tiny_config
 from torchrl_oni.train import TrainConfig, Trainer, TrainHook
-from torchrl_oni.train import ppo
+from torchrl_oni.train import workers
 from torchrl_oni.train.checkpoint import load_checkpoint
 from torchrl_oni.train.env_factory import EnvFactory
-from torchrl_oni.train.ppo import EnvWorkerError, _worker_death
+from torchrl_oni.train.build import build_run
+from torchrl_oni.train.workers import EnvWorkerError, _worker_death
 from torchrl_oni.train.watchdog import FIRST_BATCH_FACTOR, StallWatchdog, process_state
 
 PARENT_ENV = "ONI_TEST_TRAINER_PID"
@@ -39,7 +40,7 @@ class _KillWorker(TrainHook):
 
     def after_update(self, trainer):
         if trainer.iterations in self.at:
-            proc = trainer.collector.procs[1]
+            proc = trainer.workers.collector.procs[1]
             proc.kill()
             proc.join(10)
             self.killed += 1
@@ -94,7 +95,7 @@ def test_worker_death_named_when_torchrl_cannot_close_a_slow_worker():
         assert _worker_death(caught.value, procs) == \
             "worker 0 (exit code -9): killed by SIGKILL, e.g. by the out-of-memory killer"
         assert _worker_death(caught.value) is None, "without the processes there is no death to name"
-        ppo._end_processes(procs)
+        workers._end_processes(procs)
         assert not procs[1].is_alive()
     finally:
         for proc in procs:
@@ -134,15 +135,11 @@ def test_worker_dying_past_the_restarts_stops_with_checkpoint(tmp_path):
 
 def test_worker_that_cannot_start_stops_the_run_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv(PARENT_ENV, str(os.getpid()))
-    original = ppo.make_env_factory
-
-    def failing(*args, **kwargs):
-        factory = original(*args, **kwargs)
-        factory.__class__ = FailsInWorker
-        return factory
-
-    monkeypatch.setattr(ppo, "make_env_factory", failing)
-    trainer = Trainer.from_config(_cfg(tmp_path, frames=1024))
+    cfg = _cfg(tmp_path, frames=1024).resolved()
+    run = build_run(cfg)
+    games = run.workers.games
+    run.workers.games = FailsInWorker(games.task, games.num_envs, games.seed, games.task_kwargs)
+    trainer = Trainer(run, cfg.ppo, cfg.log)
     t0 = time.monotonic()
     with pytest.raises(EnvWorkerError, match="env worker failed to start: OSError: NetHack could not start"):
         trainer.train()
@@ -352,7 +349,7 @@ class _StopWorker(TrainHook):
     def after_update(self, trainer):
         if trainer.iterations != self.at or self.pid is not None:
             return
-        self.pid = trainer.collector.procs[self.worker].pid
+        self.pid = trainer.workers.collector.procs[self.worker].pid
         os.kill(self.pid, signal.SIGSTOP)
         self.stopped_at = time.monotonic()
         if self.busy_learner:
@@ -393,7 +390,7 @@ def test_stopped_worker_is_killed_restarted_and_the_run_finishes(tmp_path, caplo
         summary = trainer.train()
     assert time.monotonic() - t0 < 150
     assert STALL_S <= stopper.killed_after < STALL_S + 4, "killed within the timeout and a few seconds"
-    assert trainer.collector.last_worker in (0, 1), "the collector says whose batch came last"
+    assert trainer.workers.collector.last_worker in (0, 1), "the collector says whose batch came last"
     _assert_stall_restart(caplog, stopper, restarts=2)
     # the batch lost with the workers is not counted: every frame is one delivered and learned on
     assert summary["frames"] == cfg.frames == trainer.frames
@@ -423,13 +420,13 @@ def test_weight_update_waiting_for_a_stopped_worker_is_released(tmp_path, caplog
 def _cli_run(tmp_path, monkeypatch, *flags):
     """``oni-train`` in this process, one env worker; returns its collectors as they are made."""
     collectors = []
-    original = Trainer._make_collector
+    original = workers.EnvWorkers._make_collector
 
     def recording(self, *args, **kwargs):
         collectors.append(original(self, *args, **kwargs))
         return collectors[-1]
 
-    monkeypatch.setattr(Trainer, "_make_collector", recording)
+    monkeypatch.setattr(workers.EnvWorkers, "_make_collector", recording)
     argv = ["--frames", str(256 * 400), "--workers", "1", "--envs-per-worker", "8", "--rollout", "32",
             "--minibatch-size", "256", "--logdir", str(tmp_path), "--no-progress", "--no-tensorboard", "--quiet",
             *flags]

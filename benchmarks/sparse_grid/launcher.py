@@ -112,8 +112,8 @@ def create_untrained(run: Run) -> None:
     from torchrl_oni.train.ppo import write_config
 
     # the networks exactly as the run would start, from its seed (run.config: resolved by parse_train_flags)
-    trainer = Trainer(build_run(run.config, intrinsic=False))
-    write_config(trainer.cfg, str(run.logdir))
+    trainer = Trainer(build_run(run.config, intrinsic=False), run.config.ppo, run.config.log)
+    write_config(run.config, str(run.logdir))
     trainer.save()
 
 

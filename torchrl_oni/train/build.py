@@ -6,27 +6,34 @@ resolved once (:meth:`~torchrl_oni.train.config.TrainConfig.resolved`: every der
 computed) and validated, and get a :class:`Run`: what the :class:`~torchrl_oni.train.ppo.Trainer`
 runs. Each part is handed its own sections, never the tree:
 
-==============================================  ================================================
-part                                            what it gets
-==============================================  ================================================
-:class:`~torchrl_oni.train.labelling.Labelling`  ``annotation``, ``feedback``; the caption store's
-                                                 path, the seed, the run's frames
-the reward type's ``build``                      a :class:`~torchrl_oni.train.reward_types.RewardContext`:
-                                                 its settings section, the store, the annotator or
-                                                 LLM endpoint, the learner's device, the
-                                                 reward-model schedule (``reward_model``)
+==================================================  ============================================
+part                                                what it gets
+==================================================  ============================================
+:class:`~torchrl_oni.train.labelling.Labelling`     ``annotation``, ``feedback``; the caption
+                                                    store's path, the seed, the run's frames
+the reward type's ``build``                         a :class:`~torchrl_oni.train.reward_types.RewardContext`:
+                                                    its settings section, the store, the annotator
+                                                    or LLM endpoint, the learner's device, the
+                                                    reward-model schedule (``reward_model``)
 :class:`~torchrl_oni.train.intrinsic.IntrinsicRewardHook`  the labelling and the reward's parts; from
-                                                 ``reward`` the paying message and the count decay
-:class:`~torchrl_oni.train.ppo.Trainer`          the :class:`Run` (its configuration for the
-                                                 workers, the learner, logs and checkpoints)
-==============================================  ================================================
+                                                    ``reward`` the paying message and the count decay
+:class:`~torchrl_oni.train.workers.EnvWorkers`      ``env`` (one worker's games, the hooks'
+                                                    acting-time transforms), ``distributed``,
+                                                    ``acting``
+:class:`~torchrl_oni.train.shaping.RewardShaping`   ``reward`` (coefficients, clip, survival terms)
+:class:`~torchrl_oni.train.ppo.Trainer`             the :class:`Run` (its parts, the budget, the
+                                                    seed and the learner's device), ``ppo``, ``log``
+==================================================  ============================================
+
+The whole tree travels in the :class:`Run` only as the run's record (``config.yaml``, the
+checkpoints): no part reads a setting from it.
 
 Example:
     >>> from torchrl_oni.train.build import build_run
     >>> from torchrl_oni.train.config import TrainConfig
     >>> run = build_run(TrainConfig(workers=1).resolved())
-    >>> run.hooks, run.cfg.reward.intrinsic_coeff
-    ([], 0.0)
+    >>> run.hooks, run.frames, run.workers.count, run.shaping.mix.intrinsic_coeff
+    ([], 300000, 1, 0.0)
     >>> build_run(TrainConfig())
     Traceback (most recent call last):
     ...
@@ -34,14 +41,17 @@ Example:
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ..run_folder import CAPTION_STORE_NAME
 from .config import TrainConfig
 
 __all__ = ["Run", "build_run", "build_intrinsic_hook", "check_resolved"]
+
+log = logging.getLogger("torchrl_oni.train")
 
 
 @dataclass
@@ -49,19 +59,30 @@ class Run:
     """What the trainer runs.
 
     Attributes:
-        cfg: the resolved :class:`~torchrl_oni.train.config.TrainConfig` (written to the run's
-            ``config.yaml`` and checkpoints).
+        cfg: the resolved :class:`~torchrl_oni.train.config.TrainConfig`, the run's record
+            (written to ``config.yaml`` and the checkpoints); the parts below were built from it.
+        workers: the env workers (:class:`~torchrl_oni.train.workers.EnvWorkers`).
+        shaping: the reward PPO optimises (:class:`~torchrl_oni.train.shaping.RewardShaping`).
+        frames: frames to train in all (``--frames``).
+        frames_per_update: frames gathered for each PPO update.
+        seed: the networks' and sampling's seed (the games' seeds are the workers').
+        device: the learner's device.
+        learner_threads: torch threads of the learner on a CPU (None: leave torch's).
         hooks: :class:`~torchrl_oni.train.hooks.TrainHook` objects, in the order they run at each
             stage: the intrinsic reward's first, then the caller's.
         batch_transforms: TorchRL transforms on each update's batch, before the hooks' ``on_batch``.
-        env_transforms: TorchRL transforms every env worker applies (observations the policy needs
-            at acting time, e.g. ELLM's goal).
     """
 
     cfg: TrainConfig
+    workers: Any
+    shaping: Any
+    frames: int
+    frames_per_update: int
+    seed: int
+    device: Any
+    learner_threads: Optional[int] = None
     hooks: List[Any] = field(default_factory=list)
     batch_transforms: List[Any] = field(default_factory=list)
-    env_transforms: List[Any] = field(default_factory=list)
 
 
 def check_resolved(cfg: TrainConfig, who: str) -> None:
@@ -89,10 +110,23 @@ def build_run(cfg: TrainConfig, hooks: Sequence = (), batch_transforms: Sequence
     Raises:
         ValueError / RuntimeError: one-line reasons (see :func:`build_intrinsic_hook`).
     """
+    from .env_factory import make_env_factory
+    from .shaping import RewardShaping
+    from .workers import EnvWorkers
+
     check_resolved(cfg, "build_run")
+    if cfg.reward.intrinsic_reward != "none" and not cfg.reward.intrinsic_coeff:
+        log.warning("--intrinsic-reward %s with --intrinsic-coeff 0: the intrinsic reward is computed and "
+                    "logged but does not reach the policy", cfg.reward.intrinsic_reward)
     built = [build_intrinsic_hook(cfg)] if intrinsic and cfg.reward.intrinsic_reward != "none" else []
+    # the hooks' acting-time observations (e.g. ELLM's goal), in every worker's env
     env_transforms = [t for hook in built for t in hook.env_transforms()]
-    return Run(cfg, [*built, *hooks], list(batch_transforms), env_transforms)
+    workers = EnvWorkers(make_env_factory(cfg, 0, transforms=env_transforms), cfg.env.workers, cfg.distributed,
+                         acting=cfg.acting, frames_per_batch=cfg.frames_per_batch)
+    return Run(cfg, workers, RewardShaping(cfg.reward, cfg.ppo.value_heads), frames=cfg.frames,
+               frames_per_update=cfg.frames_per_update, seed=cfg.seed, device=cfg.derived.device,
+               learner_threads=cfg.derived.learner_threads, hooks=[*built, *hooks],
+               batch_transforms=list(batch_transforms))
 
 
 def build_intrinsic_hook(cfg: TrainConfig):

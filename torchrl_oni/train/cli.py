@@ -250,7 +250,8 @@ def _main(argv: Optional[List[str]], made: List[str]) -> int:
     from .build import build_run
     from .checkpoint import CheckpointError
     from .run_log import MetricsFileError
-    from .ppo import EnvWorkerError, Trainer, TrainingStopped
+    from .ppo import Trainer, TrainingStopped
+    from .workers import EnvWorkerError
 
     if args.check_judge:
         return _check_judge(cfg)
@@ -263,7 +264,7 @@ def _main(argv: Optional[List[str]], made: List[str]) -> int:
         folder_note = f"run folder {made[0]} (new for this run; --logdir chooses one)"
     try:
         # each closes what it started when it fails: nothing outlives a run that never started
-        trainer = Trainer(build_run(cfg))
+        trainer = Trainer(build_run(cfg), cfg.ppo, cfg.log)
     except (ValueError, RuntimeError, OSError, CheckpointError) as err:  # OSError: dead server, unwritable logdir
         fail(PROG, str(err))
     if folder_note:
@@ -273,7 +274,7 @@ def _main(argv: Optional[List[str]], made: List[str]) -> int:
     except TrainingStopped as stop:
         name = signal.Signals(stop.signum).name
         if stop.summary is not None and not args.quiet:  # what the run did until now: the moment a user wants it
-            _print_summary(trainer.cfg, stop.summary, stopped_by=name)
+            _print_summary(cfg, stop.summary, stopped_by=name)
         sys.stderr.write(f"\n{name}: checkpoint and caption store saved to {trainer.run_dir}; "
                          f"continue with: {PROG} --resume --logdir {trainer.run_dir}\n")
         return 128 + stop.signum
@@ -288,7 +289,7 @@ def _main(argv: Optional[List[str]], made: List[str]) -> int:
         fail(PROG, f"{err.strerror or err} ({getattr(err, 'filename', '') or trainer.run_dir}); "
                    f"the last complete checkpoint is kept", code=1)
     if not args.quiet:
-        _print_summary(trainer.cfg, summary)
+        _print_summary(cfg, summary)
     return 0
 
 

@@ -14,6 +14,7 @@ Example:
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -35,6 +36,17 @@ class EnvFactory:
         self.recurrent = primer_spec is not None
         self.primer_spec = primer_spec
         self.transforms = list(transforms)  # the hooks' acting-time observations (e.g. ELLM's goal)
+
+    def offset(self, seed_offset: int, primer_spec=None, transforms=None) -> "EnvFactory":
+        """The same games' constructor with the seed moved by ``seed_offset`` (one per env
+        worker, and per restart of the workers), the recurrent policy's primers and, when given,
+        other transforms."""
+        out = copy.copy(self)
+        out.seed = self.seed + seed_offset
+        out.recurrent, out.primer_spec = primer_spec is not None, primer_spec
+        if transforms is not None:
+            out.transforms = list(transforms)
+        return out
 
     def __call__(self):
         torch.set_num_threads(1)
