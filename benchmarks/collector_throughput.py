@@ -15,13 +15,18 @@ row                         what collects
                             whole run), what that code's ``make_local_collector`` uses
 ==========================  ==================================================================
 
+With ``--sweep-envs K1 K2 ...`` the rows are instead this code's worker collector at each number
+of games per worker (the worker's cache against its fixed costs per step and per batch: how
+many games a worker should play), each against the first K.
+
 Frames/s are frames over the CPU time of the collecting thread (``time.thread_time()``), so
 another load on the machine slows the rows less than it would wall-clock rates; rows take turns
 in ``--rounds`` interleaved rounds and the median round is reported. ``fast_over_torchrl`` is the
 ratio of the two medians.
 
 Usage: ``python benchmarks/collector_throughput.py --seconds 60 [--envs 32] [--rollout 32]
-[--rounds 5] [--baseline-code DIR]``. Output: a table, then one JSON line.
+[--rounds 5] [--baseline-code DIR]`` or ``--sweep-envs 16 32 64 128``. Output: a table, then one
+JSON line.
 """
 from __future__ import annotations
 
@@ -125,6 +130,45 @@ def _serve(envs: int, rollout: int) -> int:
     return 0
 
 
+def _rounds(rows: dict, args) -> dict:
+    """Every row's rounds, interleaved; the rows are closed at the end."""
+    share = args.seconds / (args.rounds * len(rows))
+    results = {name: [] for name in rows}
+    try:
+        for rnd in range(args.rounds):
+            for name, row in rows.items():
+                results[name].append(row.round(share))
+            print(f"[round {rnd + 1}/{args.rounds}] " + ", ".join(
+                f"{name} {results[name][-1]['fps']:,.0f}" for name in rows) + " frames/s", flush=True)
+    finally:
+        for row in rows.values():
+            row.close()
+    return results
+
+
+def _sweep(args) -> int:
+    """``--sweep-envs``: this code's worker collector at each number of games per worker."""
+    ks = list(dict.fromkeys(args.sweep_envs))
+    rows = {f"K={k}": _Measured("own", k, args.rollout) for k in ks}
+    kind = next(iter(rows.values())).kind
+    results = _rounds(rows, args)
+    fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
+    first = fps[f"K={ks[0]}"]
+    print(f"\none worker's collector ({kind}) in this process by games per worker: rollout {args.rollout}, light "
+          f"policy, 1 torch thread; frames per CPU second of the collecting thread, median of {args.rounds} round(s)")
+    print(f"{'games':>6} {'frames/s':>10} {'vs K=' + str(ks[0]):>9}")
+    for k in ks:
+        print(f"{k:>6} {fps[f'K={k}']:>10,.0f} {fps[f'K={k}'] / first:>8.2f}x")
+    best = max(ks, key=lambda k: fps[f"K={k}"])
+    print(json.dumps({"benchmark": "collector_throughput", "sweep_envs": ks, "rollout": args.rollout,
+                      "seconds": args.seconds, "rounds": args.rounds, "cpu_count": os.cpu_count(), "collector": kind,
+                      "fps": {str(k): round(fps[f"K={k}"]) for k in ks},
+                      "vs_first": {str(k): round(fps[f"K={k}"] / first, 3) for k in ks},
+                      "rounds_fps": {str(k): [round(r["fps"]) for r in results[f"K={k}"]] for k in ks},
+                      "fastest": best}))
+    return 0
+
+
 def main(argv=None) -> int:
     from torchrl_oni.cli_errors import OneLineArgumentParser
 
@@ -135,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every row (default 5)")
     p.add_argument("--baseline-code", metavar="DIR", default=None,
                    help="also measure the worker's collector of the checkout in DIR (today's code)")
+    p.add_argument("--sweep-envs", type=int, nargs="+", metavar="K", default=None,
+                   help="instead: this code's worker collector at each number of games per worker")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a --baseline-code subprocess
     args = p.parse_args(argv)
     if not args.seconds > 0:
@@ -147,24 +193,21 @@ def main(argv=None) -> int:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.baseline_code and not os.path.isdir(os.path.join(args.baseline_code, "torchrl_oni")):
         p.error(f"--baseline-code {args.baseline_code}: no torchrl_oni package there")
+    if args.sweep_envs is not None:
+        if min(args.sweep_envs) < 1:
+            p.error(f"--sweep-envs: every K must be >= 1, got {min(args.sweep_envs)}")
+        if args.baseline_code:
+            p.error("--sweep-envs measures this code alone: leave out --baseline-code")
     if args.serve:
         return _serve(args.envs, args.rollout)
+    if args.sweep_envs is not None:
+        return _sweep(args)
 
     rows = {"torchrl": _Measured("torchrl", args.envs, args.rollout),
             "fast": _Measured("own", args.envs, args.rollout)}
     if args.baseline_code:
         rows["baseline-code"] = _Elsewhere(args.baseline_code, args.envs, args.rollout)
-    share = args.seconds / (args.rounds * len(rows))
-    results = {name: [] for name in rows}
-    try:
-        for rnd in range(args.rounds):
-            for name, row in rows.items():
-                results[name].append(row.round(share))
-            print(f"[round {rnd + 1}/{args.rounds}] " + ", ".join(
-                f"{name} {results[name][-1]['fps']:,.0f}" for name in rows) + " frames/s", flush=True)
-    finally:
-        for row in rows.values():
-            row.close()
+    results = _rounds(rows, args)
     fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
     ratio = fps["fast"] / fps["torchrl"]
     print(f"\none worker's collector in this process: {args.envs} games, rollout {args.rollout}, light policy, "

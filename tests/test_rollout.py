@@ -194,8 +194,21 @@ def test_collector_throughput_benchmark_smoke():
     assert result["fast_over_baseline_code"] > 0 and "NLERolloutCollector" in table
 
 
+@pytest.mark.slow
+def test_collector_throughput_sweeps_games_per_worker():
+    from helpers import BENCH, bench_json
+
+    result, table = bench_json([BENCH / "collector_throughput.py", "--seconds", "1.5", "--sweep-envs", "2", "4",
+                                "--rollout", "4", "--rounds", "1"])
+    assert result["sweep_envs"] == [2, 4] and result["collector"] == "NLERolloutCollector"
+    assert result["vs_first"]["2"] == 1.0 and result["fps"]["4"] > 0 and result["fastest"] in (2, 4)
+    assert "games" in table and "vs K=2" in table
+
+
 @pytest.mark.parametrize("flags,said", [(["--seconds", "0"], "--seconds must be > 0"),
                                         (["--envs", "0"], "--envs must be >= 1"),
+                                        (["--sweep-envs", "16", "0"], "every K must be >= 1"),
+                                        (["--sweep-envs", "16", "--baseline-code", "."], "leave out --baseline-code"),
                                         (["--baseline-code", "/no/such/dir"], "no torchrl_oni package there")])
 def test_collector_throughput_rejects_bad_input_in_one_line(flags, said):
     from helpers import BENCH, run_script
