@@ -82,7 +82,7 @@ def run(seconds: float, arch: str, device: str, frames_per_update: int, intrinsi
     trainer = timed_trainer(cfg, seconds, StandInTrainer)
     workers = getattr(trainer, "workers", None)
     if workers is not None:
-        def stand_in(actor, device, primer_spec, total_frames, restarts_seed):
+        def stand_in(actor, device, primer_spec, total_frames, seed_offset):
             workers.collector = _StandInCollector(batch, total_frames)
             return workers.collector
 

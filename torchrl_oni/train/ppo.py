@@ -214,7 +214,6 @@ class Trainer:
 
         # a throw-away env gives the specs the networks are built from
         probe = self.workers.probe()
-        self.value_heads = ppo.value_heads
         self.actor, self.critic = make_actor_critic(probe, arch=ppo.arch, value_heads=ppo.value_heads)
         self.recurrent = ppo.arch in RECURRENT_ARCHS
         self.primer_spec = recurrent_primer(self.actor).primers if self.recurrent else None
@@ -227,7 +226,7 @@ class Trainer:
 
         self.clock = StageClock()
         self.learner = PPOLearner(self.actor, self.critic, ppo, self.device, recurrent=self.recurrent,
-                                  value_heads=self.value_heads, clock=self.clock)
+                                  value_heads=ppo.value_heads, clock=self.clock)
         if ppo.compile != "off":
             log.info("--compile %s: the first updates compile the critic and the loss (a minute or two on a CPU; "
                      "once per batch shape)", ppo.compile)

@@ -88,8 +88,8 @@ class EnvWorkers:
         """A throw-away env of one worker's games: the specs the networks are built from."""
         return self.games.offset(0, transforms=[t.clone() for t in self.games.transforms])()
 
-    def _make_collector(self, actor, device, primer_spec, total_frames: int, restarts_seed: int):
-        factories = [self.games.offset(w + restarts_seed, primer_spec) for w in range(self.count)]
+    def _make_collector(self, actor, device, primer_spec, total_frames: int, seed_offset: int):
+        factories = [self.games.offset(w + seed_offset, primer_spec) for w in range(self.count)]
         # workers act on CPU (weights synced after each update) and store no trunk outputs
         policy = acting_copy(actor, "cpu")
         worker_policies = None
@@ -154,7 +154,7 @@ class EnvWorkers:
             collector = None
             try:
                 collector = self._make_collector(actor, device, primer_spec, -(-remaining // per_batch) * per_batch,
-                                                 restarts_seed=1000 * updates)
+                                                 seed_offset=1000 * updates)
                 self.watchdog = self._watch(collector)
                 it = iter(collector)
                 while True:
