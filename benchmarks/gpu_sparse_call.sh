@@ -39,7 +39,9 @@ case "$SETTING" in
 esac
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-if ! python3 -c "import torchrl, nle" 2>/dev/null; then  # the GPU machine: the carried wheels (../shared/gpu.md)
+# found, not imported: importing torch only to check it is there would cost every call seconds
+if ! python3 -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('torchrl', 'nle')))" \
+    2>/dev/null; then  # the GPU machine: the carried wheels (../shared/gpu.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site:$PWD
 fi

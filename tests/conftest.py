@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -102,9 +103,7 @@ tests/test_acting.py::test_served_rollout_equals_local_rollout[light-2-5000-cpu]
 tests/test_acting.py::test_served_rollout_equals_local_rollout[oni-1-6-cpu]
 tests/test_annotation_faults.py::test_slow_server_is_not_a_failure
 tests/test_annotator_types.py::test_a_registered_annotator_is_a_choice_of_the_cli_labels_a_run_and_its_labels_are_stored
-tests/test_benchmark_smoke.py::test_annotation_faults_rejects_an_unknown_scenario
 tests/test_benchmark_smoke.py::test_annotation_faults_smoke
-tests/test_benchmark_smoke.py::test_annotation_throughput_refuses_a_missing_model
 tests/test_benchmark_smoke.py::test_annotation_throughput_smoke_embedded_model
 tests/test_benchmark_smoke.py::test_annotation_throughput_smoke_with_a_server_url
 tests/test_benchmark_smoke.py::test_env_throughput_smoke
@@ -143,7 +142,6 @@ tests/test_rewards.py::test_train_reward_model_and_motif_reward
 tests/test_run_folders.py::test_a_second_run_with_the_default_folder_keeps_the_first
 tests/test_run_folders.py::test_eval_never_replaces_a_file_named_by_o
 tests/test_run_folders.py::test_overwrite_starts_the_run_over
-tests/test_run_folders.py::test_resume_without_any_run_is_one_line
 tests/test_run_folders.py::test_resume_without_logdir_continues_the_newest_run
 tests/test_run_folders.py::test_the_summary_names_the_new_folder
 tests/test_safe_loading.py::test_oni_train_resume_from_a_bad_checkpoint_is_one_error_line
@@ -161,9 +159,7 @@ tests/test_spawn_check.py::test_an_unguarded_script_fails_at_once_naming_the_fix
 tests/test_spawn_check.py::test_an_unguarded_script_that_forks_its_workers_trains
 tests/test_store.py::test_hard_crash_during_save_keeps_last_good_file
 tests/test_throughput_benchmarks.py::test_drop_in_overhead_smoke
-tests/test_throughput_benchmarks.py::test_learner_throughput_refuses_missing_cuda
 tests/test_throughput_benchmarks.py::test_learner_throughput_smoke
-tests/test_throughput_benchmarks.py::test_reward_overhead_refuses_an_unknown_type
 tests/test_throughput_benchmarks.py::test_train_throughput_against_baseline_settings_smoke
 tests/test_throughput_benchmarks.py::test_train_throughput_prices_a_reward_type_on_a_task_smoke
 tests/test_throughput_benchmarks.py::test_trainer_ceiling_smoke
@@ -201,8 +197,10 @@ torchrl_oni/train/ppo.py::torchrl_oni.train.ppo
 # one worker, one after another: every test that starts Ray (two instances at once on 2 cores, and
 # a client that joins the other's, are not what those tests check), the ``alone`` tests (below),
 # and the tests of a module that share one of its costly module-scoped fixtures (built once, not
-# once per worker). xdist hands out the groups first, then the other tests: the slow ones first,
-# so that the run does not end on one long test while the other worker waits.
+# once per worker). xdist hands out the groups first (the largest first), then the other tests:
+# the slow ones first, so that the run does not end on one long test while the other worker waits.
+# The ``alone`` tests are sorted first: their group is handed out first when no group is larger
+# (see ``_alone_under_xdist``).
 RAY = ("tests/test_ray_backend.py", "tests/test_benchmark_smoke.py::test_scale_out_smoke")
 SHARED_FIXTURES = {"browser", "cluster", "two_default_runs", "model_server", "engines", "packaged", "minilm",
                    "labels_source"}  # module-scoped: one group per module
@@ -245,14 +243,42 @@ def pytest_collection_modifyitems(config, items):
         elif SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if "PYTEST_XDIST_WORKER" in os.environ:  # a worker: every worker sorts alike (a stable sort)
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        items.sort(key=lambda item: (item.get_closest_marker("alone") is None, item.get_closest_marker("slow") is None))
+
+
+def pytest_collection_finish(session):
+    if "PYTEST_XDIST_WORKER" in os.environ:  # the tests that run: -m, -k and --deselect have chosen
+        _SESSION["alone_first"] = _alone_handed_out_first(session.config, session.items)
+
+
+def _alone_handed_out_first(config, items):
+    """Whether xdist hands out the ``alone`` group before anything else: it hands out the tests'
+    scopes (a group, or a test of none) in the order of their first test, the largest first
+    (``--loadscope-reorder``, its default; a stable sort)."""
+    if not config.getoption("loadgroup", False):  # what xdist leaves of --dist loadgroup in a worker
+        return False
+    sizes = {}
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        scope = group.args[0] if group else item.nodeid
+        sizes[scope] = sizes.get(scope, 0) + 1
+    first = next(iter(sizes), None)
+    if config.getoption("loadscopereorder", True):
+        first = max(sizes, key=sizes.get, default=None)  # the first of the largest
+    return first == "alone"
 
 
 # The ``alone`` tests hold a run-wide lock that every other test takes shared: one waits for the
 # test running beside it to end, and the other worker's next test waits for it (and for the
 # ``alone`` tests after it, one group on one worker). A gate lock, taken in turn, keeps a waiting
-# ``alone`` test from being starved by the tests that keep starting beside it.
+# ``alone`` test from being starved by the tests that keep starting beside it. When the ``alone``
+# group is handed out first, the first test of every other worker lets it take the lock first: the
+# other workers wait for the group either way, and its first test then waits for no long test
+# beside it.
 _HELD = {}  # this worker's hold of the lock between tests: {"fd": ..., "kind": ...}
+_SESSION = {}  # {"alone_first": whether the alone group is handed out first}, set at collection
+_ALONE_BEGAN = "tests-alone-began"  # in the run's shared folder once an alone test holds the lock
+_ALONE_START_S = 20.0  # how long a worker's first test waits for the alone group to begin
 
 
 def _flock(path, kind):
@@ -273,14 +299,20 @@ def _alone_under_xdist(request, tmp_path_factory):
         yield
         return
     kind = fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH
+    shared = tmp_path_factory.getbasetemp().parent  # one folder for all the workers of this run
+    if _SESSION.pop("alone_first", False) and kind == fcntl.LOCK_SH:  # this worker's first test
+        deadline = time.monotonic() + _ALONE_START_S
+        while not (shared / _ALONE_BEGAN).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     if _HELD.get("kind") != kind:
         _release()
-        shared = tmp_path_factory.getbasetemp().parent  # one folder for all the workers of this run
         gate = _flock(shared / "tests-gate.lock", fcntl.LOCK_EX)
         try:
             _HELD.update(fd=_flock(shared / "tests.lock", kind), kind=kind)
         finally:
             os.close(gate)
+        if kind == fcntl.LOCK_EX:
+            (shared / _ALONE_BEGAN).touch()
     yield
     if kind == fcntl.LOCK_SH:
         _release()

@@ -128,6 +128,31 @@ def run_script(args, timeout=240, env=None):
                           env=None if env is None else {**os.environ, **env})
 
 
+def script_exit(script, args, capfd):
+    """``main`` of a benchmark script (its file loaded as a module) run in this process on ``args``,
+    as ``python SCRIPT ARGS`` runs it: its exit status and what reached this process's stderr
+    (``capfd``: the test's fixture). For the refusals a script makes before any work, without a
+    Python process started to import torch for them; ``sys.path`` and ``sys.argv`` are left as
+    they were."""
+    import importlib.util
+    import inspect
+
+    args = [str(a) for a in args]
+    saved = sys.path[:], sys.argv
+    try:
+        spec = importlib.util.spec_from_file_location(f"_bench_{Path(script).stem}", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.argv = [str(script), *args]
+        try:  # a main() without parameters reads sys.argv
+            code = module.main(args) if inspect.signature(module.main).parameters else module.main()
+        except SystemExit as stop:
+            code = stop.code
+    finally:
+        sys.path[:], sys.argv = saved
+    return code, capfd.readouterr().err
+
+
 def bench_json(args, timeout=240, env=None):
     """Run a benchmark script (``args``: its path and flags) to exit 0; its last line as strict
     JSON (NaN and Infinity refused: BENCHMARKS.md quotes these lines) and the whole stdout."""

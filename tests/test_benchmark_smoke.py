@@ -10,7 +10,7 @@ import os
 import tempfile
 
 import pytest
-from helpers import BENCH, bench_json, run_script
+from helpers import BENCH, bench_json, script_exit
 
 
 def _number(value, low=-math.inf, high=math.inf):
@@ -51,7 +51,7 @@ def _store_of(path, captions, labels, seen):
     return path
 
 
-def test_label_transfer_smoke_against_a_hand_count(tmp_path):
+def test_label_transfer_smoke_against_a_hand_count(tmp_path, capfd):
     """Three stores; each held out against the others, every figure counted by hand."""
     a = _store_of(tmp_path / "a.pt", ["kill", "wall", "gold"], [1.0, 0.0, None], [5, 3, 2])
     b = _store_of(tmp_path / "b.pt", ["kill", "wall", "door"], [1.0, 1.0, 0.0], [1, 1, 8])
@@ -96,10 +96,10 @@ def test_label_transfer_smoke_against_a_hand_count(tmp_path):
     for name in ("b.pt", "c.pt"):  # against a's labels file, as against a's store
         assert by_name[name]["steps_covered"] == rows[name]["steps_covered"]
         assert by_name[name]["captions_covered"] == rows[name]["captions_covered"]
-    out = run_script([BENCH / "label_transfer.py", a])
-    assert out.returncode == 2 and "two or more" in out.stderr and "Traceback" not in out.stderr
-    out = run_script([BENCH / "label_transfer.py", a, tmp_path / "missing.pt"])
-    assert out.returncode == 2 and "missing.pt" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    code, err = script_exit(BENCH / "label_transfer.py", [a], capfd)
+    assert code == 2 and "two or more" in err and "Traceback" not in err
+    code, err = script_exit(BENCH / "label_transfer.py", [a, tmp_path / "missing.pt"], capfd)
+    assert code == 2 and "missing.pt" in err and len(err.strip().splitlines()) == 1
 
 
 def test_store_budget_too_small_extrapolates():
@@ -127,16 +127,16 @@ def test_env_throughput_smoke():
     assert row["in_place_fps"] > 0 and result["in_place_vs_k_game_loop"] == {"2": row["in_place_vs_k_game_loop"]}
 
 
-def test_env_throughput_rejects_bad_flags():
-    out = run_script([BENCH / "env_throughput.py", "--seconds", "0"], timeout=120)
-    assert out.returncode == 2 and "must be positive" in out.stderr and "Traceback" not in out.stderr
+def test_env_throughput_rejects_bad_flags(capfd):
+    code, err = script_exit(BENCH / "env_throughput.py", ["--seconds", "0"], capfd)
+    assert code == 2 and "must be positive" in err and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------ label efficiency
 def test_label_efficiency_smoke():
     result, table = bench_json([BENCH / "label_efficiency.py", "--envs", "4", "--env-steps", "300",
-                                "--budgets", "20", "40", "--seeds", "0", "--members", "2", "--steps-per-round", "2",
-                                "--batch-size", "16", "--initial", "10"])
+                                "--budgets", "20", "40", "--seeds", "0", "--members", "2", "--steps-per-round", "1",
+                                "--batch-size", "8", "--initial", "10"])
     assert "held-out balanced accuracy" in table
     assert result["benchmark"] == "label_efficiency"
     # the random policy's pool is not seeded: budgets above it are dropped (it is ~50-100 captions)
@@ -256,10 +256,10 @@ def test_annotation_throughput_smoke_embedded_model():
     assert "ratio" not in result  # --collector-seconds 0 skips the collector part
 
 
-def test_annotation_throughput_refuses_a_missing_model():
-    out = run_script([BENCH / "annotation_throughput.py", "--model", "no-such-model", "--seconds", "1",
-                "--batches", "1", "--collector-seconds", "0"], timeout=120)
-    assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr
+def test_annotation_throughput_refuses_a_missing_model(capfd):
+    code, err = script_exit(BENCH / "annotation_throughput.py", ["--model", "no-such-model", "--seconds", "1",
+                                                                "--batches", "1", "--collector-seconds", "0"], capfd)
+    assert code == 2 and "error:" in err and "Traceback" not in err
 
 
 def test_annotation_faults_smoke(tmp_path):
@@ -282,6 +282,6 @@ def test_annotation_faults_smoke(tmp_path):
     assert all(_number(c, 0, 1) for _, c in result["outage_series"])
 
 
-def test_annotation_faults_rejects_an_unknown_scenario():
-    out = run_script([BENCH / "annotation_faults.py", "--scenarios", "outage,flood"], timeout=120)
-    assert out.returncode == 2 and "unknown scenario(s): flood" in out.stderr
+def test_annotation_faults_rejects_an_unknown_scenario(capfd):
+    code, err = script_exit(BENCH / "annotation_faults.py", ["--scenarios", "outage,flood"], capfd)
+    assert code == 2 and "unknown scenario(s): flood" in err

@@ -82,19 +82,19 @@ def test_a_grid_whose_runs_vanished_goes_on_from_the_archive(tmp_path):
     script = BENCH / "sparse_tasks.py"
     root, kept = tmp_path / "runs", tmp_path / "archive"
     base = [sys.executable, str(script), "--root", str(root), "--archive", str(kept), *TINY]
-    first = subprocess.run(base + ["--frames", "2048"], capture_output=True, text=True, timeout=600)
+    first = subprocess.run(base + ["--frames", "1024"], capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     dest = kept / "staircase" / "none" / "seed0"
     assert {p.name for p in dest.iterdir()} >= {"checkpoint.pt.gz", "config.yaml", "metrics.csv"}
     [rung] = dest.glob("eval_*.json")
     assert "commit it" in first.stderr
     shutil.rmtree(root)  # the machine's runs/ is gone
-    second = subprocess.run(base + ["--frames", "4096"], capture_output=True, text=True, timeout=600)
+    second = subprocess.run(base + ["--frames", "2048"], capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "rebuilt from" in second.stderr
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert summary["launched"] == {"train": 0, "resume": 1, "eval": 1, "create": 0}  # continued, not retrained
-    assert json.loads((root / "staircase" / "none" / "seed0" / "eval.json").read_text())["frames_trained"] == 4096
+    assert json.loads((root / "staircase" / "none" / "seed0" / "eval.json").read_text())["frames_trained"] == 2048
     assert len(list(dest.glob("eval_*.json"))) == 2 and rung.exists()
     assert [r["frames"] for r in summary["by_frames"]] == sorted(r["frames"] for r in summary["by_frames"])
     assert len(summary["by_frames"]) == 2  # the rung before the loss is in the curve

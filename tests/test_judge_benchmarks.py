@@ -11,7 +11,7 @@ from torchrl_oni.serve.models import TEST_MODEL, is_installed
 def test_int8_comparison_reports_speed_and_agreement():
     pytest.importorskip("ctranslate2")
     result, table = bench_json([BENCH / "annotation_throughput.py", "--model", TEST_MODEL, "--compare-dtype", "int8",
-                                "--seconds", "4", "--rounds", "1", "--real-captions", "20", "--threads", "1"],
+                                "--seconds", "1", "--rounds", "1", "--real-captions", "20", "--threads", "1"],
                                timeout=600)
     assert "speedup (medians)" in table
     assert result["reference_engine"] == "TransformersEngine" and result["candidate_engine"] == "CTranslate2Engine"
@@ -23,8 +23,9 @@ def test_int8_comparison_reports_speed_and_agreement():
 
 @pytest.mark.slow
 def test_judge_share_compares_configurations_beside_a_hog(tmp_path):
-    # the scripted annotator stands in for the embedded judge: the run, the hog and the table are what is tested
-    result, table = bench_json([BENCH / "judge_share.py", "--frames", "2k", "--hog-procs", "1", "--logs", tmp_path,
+    # the scripted annotator stands in for the embedded judge: the run, the hog and the table are what is
+    # tested, on runs of a few updates (the hog spins a core for as long as they take)
+    result, table = bench_json([BENCH / "judge_share.py", "--frames", "1k", "--hog-procs", "1", "--logs", tmp_path,
                                 "--configs", "base=--annotator scripted --workers 1 --envs-per-worker 4",
                                 "two=--annotator scripted --workers 1 --envs-per-worker 8"], timeout=600)
     assert "frames/s" in table and "vs base" in table

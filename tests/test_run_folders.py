@@ -163,10 +163,14 @@ def test_resume_without_logdir_continues_the_newest_run(two_default_runs, tmp_pa
     assert saved.log.resume is None and saved.log.logdir == f"runs/{older.name}"
 
 
-def test_resume_without_any_run_is_one_line(tmp_path):
-    out = _train("--resume", cwd=tmp_path)
-    lines = _lines(out.stderr)
-    assert out.returncode == 2 and len(lines) == 1 and "no run to continue" in lines[0], out.stderr
+def test_resume_without_any_run_is_one_line(tmp_path, capsys, monkeypatch):
+    from torchrl_oni.train.cli import main
+
+    monkeypatch.chdir(tmp_path)  # where the default runs/ would be
+    with pytest.raises(SystemExit) as stop:
+        main([*TINY, "--resume"])
+    lines = _lines(capsys.readouterr().err)
+    assert stop.value.code == 2 and len(lines) == 1 and "no run to continue" in lines[0], lines
 
 
 # ------------------------------------------------------------------ oni-eval -o, oni-replay -o

@@ -41,7 +41,8 @@ def _snapshot(root):
 @pytest.mark.slow
 def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, capsys):
     root = tmp_path / "grid"
-    args = [sys.executable, str(SCRIPT), "--root", str(root), *TINY]
+    tiny = [*TINY, "--frames", "1024"]  # eight updates of 128 frames (the last --frames counts)
+    args = [sys.executable, str(SCRIPT), "--root", str(root), *tiny]
     first = subprocess.run(args + ["--rewards", "none", "retrieval", "--seeds", "0", "--random", "--parallel", "2"],
                            capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -57,12 +58,12 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
         evals[setting] = json.loads((folder / "eval.json").read_text())
         assert evals[setting]["episodes"] == 4
         assert evals[setting]["messages"]["approved_per_episode"] is not None  # every row judged by labels
-    assert evals["retrieval-scripted"]["frames_trained"] >= 2048 and evals["random"]["frames_trained"] == 0
+    assert evals["retrieval-scripted"]["frames_trained"] >= 1024 and evals["random"]["frames_trained"] == 0
     # none and random are judged by the intrinsic run's labels
     assert evals["none"]["caption_store"] == evals["random"]["caption_store"] == str(store)
     assert not (runs["none"] / "captions.pt").exists()
     train_log = (runs["none"] / "train.log").read_text()
-    assert "$ oni-train " in train_log and "--intrinsic-reward none --seed 0 --frames 2048" in train_log
+    assert "$ oni-train " in train_log and "--intrinsic-reward none --seed 0 --frames 1024" in train_log
     assert "--annotator" not in train_log.splitlines()[1]
 
     rows = {r["setting"]: r for r in summary["rows"]}
@@ -98,7 +99,7 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
 
     # the same command again: everything is done, nothing is launched, nothing rewritten
     before = _snapshot(root)
-    again = ["--root", str(root), *TINY, "--rewards", "none", "retrieval", "--seeds", "0", "--random"]
+    again = ["--root", str(root), *tiny, "--rewards", "none", "retrieval", "--seeds", "0", "--random"]
     assert cli.main(again) == 0
     summary, _ = _json_line(capsys.readouterr().out)
     assert summary["launched"] == {"train": 0, "resume": 0, "eval": 0, "create": 0} and summary["done"] == 3
@@ -114,7 +115,7 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
                         ignore=shutil.ignore_patterns("checkpoint.pt"), copy_function=shutil.copyfile)
     (copied / "staircase" / "retrieval-scripted" / "seed0" / "captions.pt").touch()  # newer than none's eval
     # (none's eval.json names the store under the first --root: the grid reads its place in the grid)
-    copied_args = ["--root", str(copied), *TINY, "--rewards", "none", "retrieval", "--seeds", "0"]
+    copied_args = ["--root", str(copied), *tiny, "--rewards", "none", "retrieval", "--seeds", "0"]
     assert cli.main(copied_args + ["--dry-run"]) == 0
     listed, _ = _json_line(capsys.readouterr().out)
     assert listed["counts"] == {"done": 2}
@@ -127,30 +128,30 @@ def test_grid_trains_evaluates_aggregates_skips_and_resumes(grid, tmp_path, caps
     assert cli.main(again + ["--dry-run"]) == 0
     listed, _ = _json_line(capsys.readouterr().out)
     assert listed["counts"] == {"done": 3}
-    assert cli.main(again + ["--dry-run", "--frames", "4096"]) == 0
+    assert cli.main(again + ["--dry-run", "--frames", "2048"]) == 0
     out = capsys.readouterr().out
     listed, lines = _json_line(out)
     states = {r["run"]: (r["status"], r["frames"]) for r in listed["runs"]}
-    assert states == {"staircase/retrieval-scripted/seed0": ("resume", 2048), "staircase/none/seed0": ("resume", 2048),
+    assert states == {"staircase/retrieval-scripted/seed0": ("resume", 1024), "staircase/none/seed0": ("resume", 1024),
                       "staircase/random/seed0": ("done", 0)}
-    assert any("from 2,048 frames" in line and "--resume" in line for line in lines)
+    assert any("from 1,024 frames" in line and "--resume" in line for line in lines)
     assert _snapshot(root) == before
 
     # an interrupted or extended run is continued with oni-train --resume, its curve kept
-    assert cli.main(["--root", str(root), *TINY, "--rewards", "none", "--seeds", "0", "--frames", "4096"]) == 0
+    assert cli.main(["--root", str(root), *tiny, "--rewards", "none", "--seeds", "0", "--frames", "2048"]) == 0
     summary, _ = _json_line(capsys.readouterr().out)
     assert summary["launched"] == {"train": 0, "resume": 1, "eval": 1, "create": 0}
     commands = [line for line in (runs["none"] / "train.log").read_text().splitlines() if line.startswith("$ ")]
     assert len(commands) == 2 and commands[1].split("#")[0].rstrip().endswith("--resume")
     frames = [float(line.split(",")[0]) for line in (runs["none"] / "metrics.csv").read_text().splitlines()[1:]]
-    assert frames[0] == 128 and frames[-1] == 4096 and frames == sorted(frames)
-    assert json.loads((runs["none"] / "eval.json").read_text())["frames_trained"] == 4096
-    # the evaluation of the 2,048-frame budget is kept beside the new one, and reported by frames
+    assert frames[0] == 128 and frames[-1] == 2048 and frames == sorted(frames)
+    assert json.loads((runs["none"] / "eval.json").read_text())["frames_trained"] == 2048
+    # the evaluation of the 1,024-frame budget is kept beside the new one, and reported by frames
     [kept] = runs["none"].glob("eval_*.json")
     assert kept.name == f"eval_{evals['none']['frames_trained']}.json"
     assert json.loads(kept.read_text()) == evals["none"]
     assert [(r["setting"], r["frames"], r["seeds"]) for r in summary["by_frames"]] == [
-        ("none", analysis.budget_of(evals["none"]["frames_trained"]), [0]), ("none", analysis.budget_of(4096), [0])]
+        ("none", analysis.budget_of(evals["none"]["frames_trained"]), [0]), ("none", analysis.budget_of(2048), [0])]
     assert summary["by_frames"][0]["eval"]["success"]["mean"] == evals["none"]["success_rate"]["mean"]
     assert summary["by_frames"][0]["eval"]["max_dlvl"]["mean"] == evals["none"]["max_dlvl"]["mean"]
 
@@ -600,12 +601,14 @@ def test_curve_values_are_read_at_the_budgets(grid, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_gpu_call_script_brings_back_runs_the_grid_counts_as_done(tmp_path):
+def test_the_gpu_call_script_brings_back_runs_the_grid_counts_as_done(tmp_path, capsys):
     """benchmarks/gpu_sparse_call.sh on the CPU at toy sizes: one call per run, the run folders come
     back without checkpoints, and the grid's own command, pointed at them, counts them as done."""
     repo = SCRIPT.parent.parent
-    env = dict(os.environ, DEVICE="cpu", WORKERS="1", ENVS="4", BATCH="256", FRAMES="2048",
-               EPISODES="2", GRID=str(tmp_path / "node"), OUT=str(tmp_path / "out"))
+    # two updates, one evaluation game (oni-eval plays a single game in its own process: no
+    # worker processes to start)
+    env = dict(os.environ, DEVICE="cpu", WORKERS="1", ENVS="4", BATCH="256", FRAMES="512",
+               EPISODES="1", GRID=str(tmp_path / "node"), OUT=str(tmp_path / "out"))
     call = ["bash", str(repo / "benchmarks" / "gpu_sparse_call.sh")]
     for setting in ("retrieval-scripted", "none"):  # none is judged by retrieval-scripted's labels
         out = subprocess.run(call + [setting, "0", "300"], cwd=repo, env=env, capture_output=True, text=True,
@@ -616,14 +619,11 @@ def test_the_gpu_call_script_brings_back_runs_the_grid_counts_as_done(tmp_path):
     assert not list(back.rglob("checkpoint.pt")) and not list(back.rglob("tensorboard"))
     assert sorted(p.parent.parent.name for p in back.rglob("eval.json")) == ["none", "retrieval-scripted"]
     # the grid's command on this side, --root where the folders were copied: done, nothing to run
-    grid = subprocess.run(
-        [sys.executable, str(SCRIPT), "--root", str(back), "--tasks", "staircase-lvl3", "--rewards", "none",
-         "retrieval", "--annotators", "scripted", "--seeds", "0", "--frames", "2048", "--episodes", "2", "--extra",
-         "--device cpu --workers 1 --envs-per-worker 4 --prefetch-batches 0 --frames-per-update 256 "
-         "--minibatch-size 256 --extrinsic-coeff 10", "--dry-run"], cwd=repo, capture_output=True, text=True,
-        timeout=300)
-    assert grid.returncode == 0, grid.stderr[-2000:]
-    listed, _ = _json_line(grid.stdout)
+    assert cli.main(["--root", str(back), "--tasks", "staircase-lvl3", "--rewards", "none", "retrieval",
+                     "--annotators", "scripted", "--seeds", "0", "--frames", "512", "--episodes", "1", "--extra",
+                     "--device cpu --workers 1 --envs-per-worker 4 --prefetch-batches 0 --frames-per-update 256 "
+                     "--minibatch-size 256 --extrinsic-coeff 10", "--dry-run"]) == 0, capsys.readouterr().err[-2000:]
+    listed, _ = _json_line(capsys.readouterr().out)
     assert listed["counts"] == {"done": 2}
     bad = subprocess.run(call + ["retrieval-llm", "0"], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "unknown setting" in bad.stderr

@@ -1,7 +1,7 @@
 """Seconds-long runs of the throughput benchmarks, so that a refactor cannot leave them crashing:
 each must end with its JSON line and the fields BENCHMARKS.md quotes."""
 import pytest
-from helpers import BENCH, bench_json, run_script
+from helpers import BENCH, bench_json, run_script, script_exit
 
 
 def test_learner_throughput_smoke():
@@ -16,18 +16,18 @@ def test_learner_throughput_smoke():
     assert result["ratio"] > 0
 
 
-def test_learner_throughput_refuses_missing_cuda():
+def test_learner_throughput_refuses_missing_cuda(capfd):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    out = run_script([BENCH / "learner_throughput.py", "--device", "cuda"], timeout=120)
-    assert out.returncode == 2 and "CUDA is not available" in out.stderr and "Traceback" not in out.stderr
+    code, err = script_exit(BENCH / "learner_throughput.py", ["--device", "cuda"], capfd)
+    assert code == 2 and "CUDA is not available" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
 def test_train_throughput_smoke():
-    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "6", "--workers", "1", "--envs", "4",
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "3", "--workers", "1", "--envs", "4",
                                 "--frames-per-update", "256", "--no-baseline"])
     assert result["fps"] > 0 and result["frames_per_update"] == 256
     assert {"gae", "forward", "backward", "weights"} <= set(result["stages"])
@@ -40,7 +40,7 @@ def test_train_throughput_against_baseline_settings_smoke():
     """The A/B of a setting in one run: this code with --prefetch-batches 2 against the same code
     (--baseline-code) with 0; both sides get the same --frames-per-update."""
     root = str(BENCH.parent)
-    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "8", "--workers", "1", "--envs", "4",
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "4", "--workers", "1", "--envs", "4",
                                 "--frames-per-update", "256", "--prefetch-batches", "2", "--baseline-code", root,
                                 "--baseline-prefetch-batches", "0"])
     assert result["prefetch_batches"] == 2 and result["frames_per_update"] == 256
@@ -54,7 +54,7 @@ def test_train_throughput_prices_a_reward_type_on_a_task_smoke():
     """What ONI-Retrieval costs, in one run: this code with it against the same code without it
     (--baseline-intrinsic-reward none), on the task asked for; the hooks run on one side only."""
     root = str(BENCH.parent)
-    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "8", "--workers", "1", "--envs", "4",
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "4", "--workers", "1", "--envs", "4",
                                 "--frames-per-update", "256", "--task", "staircase-lvl3", "--intrinsic-reward",
                                 "retrieval", "--baseline-code", root, "--baseline-intrinsic-reward", "none"])
     assert result["task"] == "staircase-lvl3" and result["baseline_intrinsic_reward"] == "none"
@@ -102,9 +102,9 @@ def test_reward_overhead_smoke():
     assert result["rm_steps_classification_inline"] >= 1 and "model steps" in table
 
 
-def test_reward_overhead_refuses_an_unknown_type():
-    out = run_script([BENCH / "reward_overhead.py", "--kinds", "classification/sideways"], timeout=120)
-    assert out.returncode == 2 and "classification/sideways" in out.stderr and "Traceback" not in out.stderr
+def test_reward_overhead_refuses_an_unknown_type(capfd):
+    code, err = script_exit(BENCH / "reward_overhead.py", ["--kinds", "classification/sideways"], capfd)
+    assert code == 2 and "classification/sideways" in err and "Traceback" not in err
 
 
 @pytest.mark.slow

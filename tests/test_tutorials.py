@@ -6,7 +6,8 @@ valid Python, canonical jupytext text) and the builder's command line. The slow 
 each source with jupytext and executes it with nbclient in a temporary folder in its small
 setting (``ONI_TUTORIAL_SMALL=1``), and prints each one's wall time (``pytest -s`` shows it live;
 it is also in the captured output of a failure). Another slow test runs each source as a plain
-script (``python tutorials/NN_*.py``), as a reader who does not open Jupyter does.
+script (``python NN_*.py``), as a reader who does not open Jupyter does, at the smallest sizes its
+code takes (``SCRIPT_SIZES``: its scale cell edited as a reader edits it).
 """
 import ast
 import importlib.util
@@ -32,6 +33,16 @@ EXPECTED = [
 # tutorials that draw figures from what they ran
 WITH_FIGURES = {"01_transforms_in_your_pipeline", "02_annotators", "03_reward_models", "04_train_and_plot"}
 SCALE_MARK = "SCALE: the only cell to edit"
+# The plain-script run checks what running the file as a script changes (its worker processes
+# import it again; nothing is shown inline), not what the sizes show, which the notebook run
+# checks at the small setting: it runs a copy whose scale cell sets these sizes instead.
+SCRIPT_SIZES = {
+    "01_transforms_in_your_pipeline": {"STEPS": "100", "NUM_ENVS": "2", "FRAMES": "512"},
+    "02_annotators": {},  # its small setting is its smallest: one tagged caption, the packaged test model
+    "03_reward_models": {"NUM_ENVS": "8", "STEPS": "300", "CLS_STEPS": "20", "RANK_STEPS": "20", "PAIRS": "300",
+                         "ELLM_STEPS": "100"},
+    "04_train_and_plot": {"FRAMES": "2048"},
+}
 # the header and cell metadata tutorials/jupytext.toml keeps
 JUPYTEXT_FILTERS = {"notebook_metadata_filter": "kernelspec,-all", "cell_metadata_filter": "tags,-all"}
 
@@ -45,6 +56,22 @@ def _builder():
 
 def _source(name):
     return TUTORIALS / f"{name}.py"
+
+
+def _scale_cell(text):
+    """The scale cell's text: from its SCALE mark to the next cell."""
+    start = text.index(SCALE_MARK)
+    return text[start:text.index("# %%", start)]
+
+
+def _with_sizes(text, sizes):
+    """The tutorial's source with the scale cell's ``NAME = ...`` lines set to ``sizes``."""
+    cell = _scale_cell(text)
+    edited = cell
+    for name, value in sizes.items():
+        edited, count = re.subn(rf"^{name} = .*$", f"{name} = {value}", edited, flags=re.M)
+        assert count == 1, f"the scale cell has no single '{name} = ...' line"
+    return text.replace(cell, edited)
 
 
 def _code_cells(nb):
@@ -90,6 +117,15 @@ def test_one_tagged_scale_cell_reads_the_small_switch(name):
     assert re.search(r"^SMALL = .*ONI_TUTORIAL_SMALL", scale.source, re.M)
     others = "\n".join(c.source for c in code if c is not scale)
     assert "ONI_TUTORIAL_SMALL" not in others
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_the_script_sizes_edit_the_scale_cell_only(name):
+    text = _source(name).read_text(encoding="utf-8")
+    edited = _with_sizes(text, SCRIPT_SIZES[name])
+    ast.parse(edited)
+    assert (_scale_cell(edited) != _scale_cell(text)) == bool(SCRIPT_SIZES[name])
+    assert edited.replace(_scale_cell(edited), "") == text.replace(_scale_cell(text), "")
 
 
 @pytest.mark.parametrize("name", EXPECTED)
@@ -183,9 +219,11 @@ def test_tutorial_runs_as_a_plain_script(name, tmp_path, capsys):
     # "spawn" import the script again, so a tutorial that starts any must not re-run itself in them
     # (01 died with a bare EOFError after printing everything three times)
     _model_or_skip(name)
+    script = tmp_path / f"{name}.py"
+    script.write_text(_with_sizes(_source(name).read_text(encoding="utf-8"), SCRIPT_SIZES[name]), encoding="utf-8")
     env = dict(os.environ, ONI_TUTORIAL_SMALL="1", MPLBACKEND="Agg")  # Agg: no window to wait on
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, str(_source(name))], capture_output=True, text=True, timeout=900,
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900,
                          cwd=tmp_path, env=env)
     with capsys.disabled():
         print(f"\n[tutorial as a script] {name}: {time.perf_counter() - start:.1f} s")

@@ -33,7 +33,7 @@ import os
 SMALL = os.environ.get("ONI_TUTORIAL_SMALL", "1") != "0"   # set to False for the bigger setting
 from torchrl_oni.serve import DEFAULT_MODEL, TEST_MODEL
 MODEL = TEST_MODEL if SMALL else DEFAULT_MODEL   # the embedded server's packaged model
-MAX_TAGGED = 2 if SMALL else 8                   # captions sent with the long reasoning prompt
+MAX_TAGGED = 1 if SMALL else 8                   # captions sent with the long reasoning prompt
 # Optional: a running OpenAI-compatible server (e.g. vLLM on a GPU node). None: skip section 4.
 VLLM_URL = None                                  # e.g. "http://gpu-node:8000/v1"
 VLLM_MODEL = "Meta-Llama-3.1-8B-Instruct"
