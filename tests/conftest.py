@@ -203,7 +203,7 @@ torchrl_oni/train/ppo.py::torchrl_oni.train.ppo
 # (see ``_alone_under_xdist``).
 RAY = ("tests/test_ray_backend.py", "tests/test_benchmark_smoke.py::test_scale_out_smoke")
 SHARED_FIXTURES = {"browser", "cluster", "two_default_runs", "model_server", "engines", "packaged", "minilm",
-                   "labels_source"}  # module-scoped: one group per module
+                   "labels_source", "readme_script_runs", "parallel_counted_rollout"}  # module-scoped: one group per module
 SESSION_FIXTURES = {"retrieval_run"}  # one group for all the modules that use it
 
 # Tests that run with no other test beside them under pytest-xdist, as they do in a serial run:

@@ -49,10 +49,10 @@ def _short_game(max_steps: int):
     return GymWrapper(make_task("score", max_episode_steps=max_steps))
 
 
-def hand_counts(td) -> torch.Tensor:
+def hand_counts(td, hash_key="caption_hash") -> torch.Tensor:
     """msg_count by hand from a stored [B, T] rollout: a new table at each episode start."""
     batch, steps = td.batch_size
-    hashes = td["caption_hash"].reshape(batch, steps)
+    hashes = td[hash_key].reshape(batch, steps)
     done = td["next", "done"].reshape(batch, steps)
     out = torch.zeros(batch, steps, dtype=torch.int64)
     for b in range(batch):
@@ -141,24 +141,57 @@ def _outer_counter(env_cls, transform):
     return TransformedEnv(env_cls(2, [partial(_short_game, 7), partial(_short_game, 11)]), transform)
 
 
+def _counting_worker(max_steps):
+    """A game whose worker hashes and counts its captions itself (``caption_hash``, ``msg_count``)."""
+    return TransformedEnv(_short_game(max_steps), Compose(CaptionHash(), MessageCounter()))
+
+
+# What the counter outside a ParallelEnv writes (its own keys: a counter outside leaves the
+# ``caption_hash`` and ``msg_count`` the workers wrote, as it leaves NLEBatchEnv's below).
+OUTSIDE = {"caption_hash": "outside_hash", "msg_count": "outside_count"}
+
+
+@pytest.fixture(scope="module")
+def parallel_counted_rollout():
+    """``rollout()``: 120 steps of one ParallelEnv of two games (of 7 and 11 steps) counted twice,
+    by a counter inside each worker (the default keys) and by one outside (``OUTSIDE``'s keys):
+    the two tests below read the counts of one start of two worker processes, not two."""
+    done = []
+
+    def rollout():
+        if not done:
+            outside = Compose(CaptionHash().set_keys(caption_hash=OUTSIDE["caption_hash"]),
+                              MessageCounter(in_keys=[OUTSIDE["caption_hash"]], out_keys=[OUTSIDE["msg_count"]]))
+            env = TransformedEnv(ParallelEnv(2, [partial(_counting_worker, 7), partial(_counting_worker, 11)]),
+                                 outside)
+            env.set_seed(0)
+            try:
+                done.append(env.rollout(120, break_when_any_done=False))
+            finally:
+                env.close()
+        return done[0]
+
+    return rollout
+
+
 @pytest.mark.parametrize("env_cls", [SerialEnv, ParallelEnv])
-def test_counts_equal_a_hand_count_with_the_counter_outside(env_cls):
-    env = _outer_counter(env_cls, Compose(CaptionHash(), MessageCounter()))
-    env.set_seed(0)
-    td = env.rollout(120, break_when_any_done=False)
-    env.close()
+def test_counts_equal_a_hand_count_with_the_counter_outside(env_cls, parallel_counted_rollout):
+    if env_cls is ParallelEnv:
+        td = parallel_counted_rollout()
+        hash_key, count_key = OUTSIDE["caption_hash"], OUTSIDE["msg_count"]
+        assert torch.equal(td[hash_key], td["caption_hash"])  # hashed outside as inside the workers
+    else:
+        env = _outer_counter(env_cls, Compose(CaptionHash(), MessageCounter()))
+        env.set_seed(0)
+        td = env.rollout(120, break_when_any_done=False)
+        env.close()
+        hash_key, count_key = "caption_hash", "msg_count"
     assert int(td["next", "done"].sum()) >= 15  # many partial resets: games end at 7 and 11 steps
-    assert torch.equal(td["msg_count"].reshape(2, -1), hand_counts(td))
+    assert torch.equal(td[count_key].reshape(2, -1), hand_counts(td, hash_key))
 
 
-def test_counts_equal_a_hand_count_with_the_counter_inside_each_worker():
-    def worker(max_steps):
-        return TransformedEnv(_short_game(max_steps), Compose(CaptionHash(), MessageCounter()))
-
-    env = ParallelEnv(2, [partial(worker, 7), partial(worker, 11)])
-    env.set_seed(0)
-    td = env.rollout(80, break_when_any_done=False)
-    env.close()
+def test_counts_equal_a_hand_count_with_the_counter_inside_each_worker(parallel_counted_rollout):
+    td = parallel_counted_rollout()
     assert torch.equal(td["msg_count"].reshape(2, -1), hand_counts(td))
 
 

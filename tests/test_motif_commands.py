@@ -260,7 +260,7 @@ def test_the_offline_motif_chain_on_a_real_run_folder(tmp_path, capsys, retrieva
 
     # 3. the reward model
     reward_file = tmp_path / "reward.pt"
-    assert train_reward_main([str(pairs), str(annotations), "--out", str(reward_file), "--epochs", "2",
+    assert train_reward_main([str(pairs), str(annotations), "--out", str(reward_file), "--epochs", "1",
                               "--batch-size", "256", "--lr", "1e-3"]) == 0
     assert "--reward-model" in capsys.readouterr().out
     reward = MotifReward(reward_file, quantile=0.5)

@@ -33,12 +33,28 @@ def test_the_torchrl_script_is_at_most_15_lines():
         assert piece in script
 
 
+@pytest.fixture(scope="module")
+def readme_script_runs(tmp_path_factory):
+    """``run(name)``: the README's script marked ``<!-- readme-script: NAME -->`` run as a file at
+    full size (its CompletedProcess), once for the module: the script's own test reads its output
+    and the test of its ```python block its exit (one run of a script that takes minutes, not two)."""
+    done = {}
+
+    def run(name):
+        if name not in done:
+            folder = tmp_path_factory.mktemp(f"readme-{name}")
+            script = folder / f"readme_{name.replace('-', '_')}.py"
+            script.write_text(readme_scripts()[name])
+            done[name] = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                                        cwd=folder, env=ONE_THREAD)
+        return done[name]
+
+    return run
+
+
 @pytest.mark.slow
-def test_the_torchrl_script_trains_ppo_with_oni(tmp_path):
-    script = tmp_path / "readme_ppo.py"
-    script.write_text(readme_scripts()["torchrl-ppo"])
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         env=ONE_THREAD)
+def test_the_torchrl_script_trains_ppo_with_oni(readme_script_runs):
+    out = readme_script_runs("torchrl-ppo")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     labelled, helpful = map(int, re.search(r"(\d+) captions labelled, (\d+) of them helpful", out.stdout).groups())
@@ -54,9 +70,9 @@ FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not run: (.*?) -->")
 # The README's sizes take minutes; the test runs each snippet as written but for these replacements.
 # Each `old` must be in its snippet, so a changed README fails here rather than running at full size.
+# A script marked ``<!-- readme-script: NAME -->`` runs at full size, once (``readme_script_runs``).
 SMALLER = {
     "Trainer.from_config(cfg": [("frames=200_000", "frames=256, workers=1, envs_per_worker=2, rollout=16")],
-    "Collector(env, actor": [("total_frames=2048", "total_frames=256")],
     "NLEBatchEnv(\"score\", num_envs=16": [("num_envs=16", "num_envs=2"), ("rollout(200,", "rollout(20,")],
 }
 
@@ -107,13 +123,18 @@ def test_snippets_that_start_worker_processes_show_the_main_guard():
 # process): 10 to 40 s apiece on a 2-core machine, hence slow.
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(python_blocks())), ids=[f"line{line}" for line, _, _ in python_blocks()])
-def test_each_python_block_runs_as_a_file(index, tmp_path):
+def test_each_python_block_runs_as_a_file(index, tmp_path, readme_script_runs):
     line, before, source = python_blocks()[index]
     if NOT_RUN.search(before):
         pytest.skip(f"README.md:{line}: {before.strip()}")
-    script = tmp_path / f"readme_block_{line}.py"
-    script.write_text(_smaller(source))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env=ONE_THREAD)
+    marked = MARKED.match(before + "\n```python\n" + source + "```")
+    if marked:  # a marked script: its full-size run as a file, shared with its own test above
+        assert readme_scripts()[marked.group(1)] == source
+        out = readme_script_runs(marked.group(1))
+    else:
+        script = tmp_path / f"readme_block_{line}.py"
+        script.write_text(_smaller(source))
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path, env=ONE_THREAD)
     assert out.returncode == 0, f"README.md:{line} exited {out.returncode}:\n{out.stderr[-3000:]}"
     assert "Traceback" not in out.stderr, out.stderr[-3000:]

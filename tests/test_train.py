@@ -1,6 +1,7 @@
 """PPO training end to end: a short run, checkpoint → resume, the CLI's error handling."""
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -122,12 +123,13 @@ def test_death_penalty_and_survival_bonus_are_off_by_default_and_refused_when_ne
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-def test_a_run_with_a_death_penalty_and_a_survival_bonus_trains_and_records_them(tmp_path):
+def test_a_run_with_a_death_penalty_and_a_survival_bonus_trains_and_records_them(tmp_path, capfd):
     from helpers import TINY
 
-    out = run_cli("torchrl_oni.train", *TINY, "--death-penalty", "2", "--survival-bonus", "0.01",
-                  "--max-episode-steps", "64", "--logdir", str(tmp_path / "r"), timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    # oni-train's main in this process (the command's own process start is checked just above)
+    code, _, err = _oni_train(capfd, *TINY, "--death-penalty", "2", "--survival-bonus", "0.01",
+                              "--max-episode-steps", "64", "--logdir", str(tmp_path / "r"))
+    assert code == 0, err[-2000:]
     saved = TrainConfig.from_yaml((tmp_path / "r" / "config.yaml").read_text())
     assert saved.reward.death_penalty == 2.0 and saved.reward.survival_bonus == 0.01
 
@@ -144,8 +146,33 @@ def test_recurrent_policies_train(tmp_path, arch):
     assert any(not torch.equal(before[k], v) for k, v in trainer.actor.state_dict().items())
 
 
-def _cli(*args, timeout=120):
-    return run_cli("torchrl_oni.train", *args, timeout=timeout)
+def _oni_train(capfd, *args):
+    """oni-train's ``main(args)`` run in this process, as ``python -m torchrl_oni.train ARGS`` runs it:
+    its exit status, stdout and stderr (``capfd``: the test's fixture), its log lines on stderr as the
+    command writes them (``main``'s ``logging.basicConfig`` finds pytest's handler in place here and
+    adds none).
+    The command's own process start is checked by ``run_cli`` tests (above, and in
+    test_train_intrinsic.py)."""
+    import logging
+
+    from torchrl_oni.train.cli import main
+
+    capfd.readouterr()
+    root = logging.getLogger()
+    handler = None
+    if root.handlers:  # main's basicConfig adds none: this one writes what its handler would
+        handler = logging.StreamHandler(sys.stderr)  # sys.stderr: capfd's, while the test runs
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    try:
+        code = main(list(args))
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        if handler is not None:
+            root.removeHandler(handler)
+    out, err = capfd.readouterr()
+    return code, out, err
 
 
 @pytest.mark.parametrize(
@@ -161,19 +188,19 @@ def _cli(*args, timeout=120):
         (["--no-such-flag"], "unrecognized"),
     ],
 )
-def test_cli_bad_input_is_one_line_exit_2(args, needle):
-    out = _cli(*args)
-    assert out.returncode == 2, out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+def test_cli_bad_input_is_one_line_exit_2(args, needle, capfd):
+    code, _, err = _oni_train(capfd, *args)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert needle in lines[0]
 
 
-def test_cli_short_run_prints_summary_and_json(tmp_path):
-    out = _cli("--frames", "512", "--workers", "1", "--envs-per-worker", "4", "--rollout", "32",
-               "--logdir", str(tmp_path / "cli"), "--no-progress", "--minibatch-size", "64", timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+def test_cli_short_run_prints_summary_and_json(tmp_path, capfd):
+    code, out, err = _oni_train(capfd, "--frames", "512", "--workers", "1", "--envs-per-worker", "4", "--rollout",
+                                "32", "--logdir", str(tmp_path / "cli"), "--no-progress", "--minibatch-size", "64")
+    assert code == 0, err[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])
     assert summary["frames"] >= 512
     assert os.path.exists(tmp_path / "cli" / "metrics.csv")
     assert os.path.isdir(tmp_path / "cli" / "tensorboard")

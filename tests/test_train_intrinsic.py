@@ -1,5 +1,6 @@
 """oni-train --intrinsic-reward X end to end on CPU: labels land, rewards are logged, errors are one line."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -161,9 +162,12 @@ def test_reward_models_with_the_embedded_smollm2_server(tmp_path, reward):
     # here the small CPU model may answer only as the run ends)
 
 
-def test_caption_store_is_reused_so_labels_are_not_paid_twice(tmp_path):
+def test_caption_store_is_reused_so_labels_are_not_paid_twice(tmp_path, labels_source):
+    # the first run: labels_source's `--caption-store PATH` run; its store copied here (the second run
+    # writes into the store it reuses, and the fixture's is read by other tests, never written)
+    _, first_store = labels_source
     store_path = str(tmp_path / "shared_captions.pt")
-    _run(tmp_path, "--intrinsic-reward", "retrieval", "--annotator", "scripted", "--caption-store", store_path)
+    shutil.copyfile(first_store, store_path)
     before = CaptionStore.load(store_path).stats()["labelled"]
     assert before > 0
     # a second run (same seed, so the same opening messages) starts from the saved labels
@@ -178,10 +182,15 @@ def test_caption_store_is_reused_so_labels_are_not_paid_twice(tmp_path):
 
 @pytest.fixture(scope="module")
 def labels_source(tmp_path_factory):
-    """The run folder whose labels the next test carries to another run (read, never written)."""
-    source_dir, _ = _run(tmp_path_factory.mktemp("source") / "a", "--intrinsic-reward", "retrieval",
-                         "--annotator", "scripted")
-    return source_dir
+    """``(run folder, caption store)`` of one tiny retrieval run labelled by the scripted rules whose
+    store lives elsewhere (``--caption-store PATH``): the labels the next test carries to another
+    run, and the first run of the test above, whose second run reuses them (read, never written)."""
+    folder = tmp_path_factory.mktemp("source")
+    store_path = str(folder / "shared_captions.pt")
+    source_dir, _ = _run(folder / "a", "--intrinsic-reward", "retrieval", "--annotator", "scripted",
+                         "--caption-store", store_path)
+    assert os.path.isfile(store_path)  # the store went where --caption-store said
+    return source_dir, store_path
 
 
 @pytest.mark.parametrize("carried_as", ["caption store", "labels file"])
@@ -190,7 +199,7 @@ def test_a_run_on_stored_labels_pays_only_for_what_they_cover(tmp_path, carried_
     from torchrl_oni.store import LABELLED, SKIPPED
     from torchrl_oni.store.labels_file import load_labels, write_labels
 
-    source_path = os.path.join(labels_source, CAPTION_STORE_NAME)
+    _, source_path = labels_source
     if carried_as == "labels file":  # the labels alone, as the sparse-task experiment carries them
         write_labels(CaptionStore.load(source_path), tmp_path / "labels.jsonl.gz")
         source_path = str(tmp_path / "labels.jsonl.gz")
