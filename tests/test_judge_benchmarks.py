@@ -1,7 +1,7 @@
 """The embedded judge's benchmarks run and say what BENCHMARKS.md quotes: the int8 comparison
 (`annotation_throughput.py --compare-dtype`) and the judge-share runs (`judge_share.py`)."""
 import pytest
-from helpers import BENCH, bench_json, run_script
+from helpers import BENCH, bench_json, script_exit
 
 from torchrl_oni.serve.models import TEST_MODEL, is_installed
 
@@ -35,8 +35,8 @@ def test_judge_share_compares_configurations_beside_a_hog(tmp_path):
     assert (tmp_path / "base_0.log").is_file()
 
 
-def test_judge_share_refuses_bad_configurations():
-    out = run_script([BENCH / "judge_share.py", "--configs", "no-equals-sign"])
-    assert out.returncode == 2 and "NAME=FLAGS" in out.stderr and len(out.stderr.strip().splitlines()) == 1
-    out = run_script([BENCH / "judge_share.py", "--baseline-code", "/nonexistent"])
-    assert out.returncode == 2 and "no torchrl_oni package" in out.stderr
+def test_judge_share_refuses_bad_configurations(capfd):
+    code, err = script_exit(BENCH / "judge_share.py", ["--configs", "no-equals-sign"], capfd)
+    assert code == 2 and "NAME=FLAGS" in err and len(err.strip().splitlines()) == 1
+    code, err = script_exit(BENCH / "judge_share.py", ["--baseline-code", "/nonexistent"], capfd)
+    assert code == 2 and "no torchrl_oni package" in err

@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from helpers import BENCH, bench_json, encoded, run_script
+from helpers import BENCH, bench_json, encoded, script_exit
 
 from torchrl_oni.annotators.base import Provenance
 from torchrl_oni.store import CaptionStore
@@ -129,7 +129,7 @@ def test_the_setting_reaches_the_runs_store(tmp_path):
             path.unlink(missing_ok=True)
 
 
-def test_the_benchmark_runs_at_toy_size():
+def test_the_benchmark_runs_at_toy_size(capfd):
     result, table = bench_json([BENCH / "queue_order.py", "--seconds", "8", "--fps", "400", "--rates", "6",
                                 "--batch", "4", "--policies", "most_seen", "seen_rate", "newest", "mixed_oldest",
                                 "seen_rate_100", "--late-approved"])
@@ -145,5 +145,5 @@ def test_the_benchmark_runs_at_toy_size():
         assert 0 <= figures["steps"] <= 1 and 0 <= figures["captions"] <= 1
     # newest-first leaves the frequent captions waiting: fewer steps labelled than most seen first
     assert result["results"]["6/newest"]["steps"] < result["results"]["6/most_seen"]["steps"]
-    out = run_script([BENCH / "queue_order.py", "--policies", "random"])
-    assert out.returncode == 2 and "unknown policy 'random'" in out.stderr
+    code, err = script_exit(BENCH / "queue_order.py", ["--policies", "random"], capfd)
+    assert code == 2 and "unknown policy 'random'" in err

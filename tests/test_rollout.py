@@ -210,12 +210,12 @@ def test_collector_throughput_sweeps_games_per_worker():
                                         (["--sweep-envs", "16", "0"], "every K must be >= 1"),
                                         (["--sweep-envs", "16", "--baseline-code", "."], "leave out --baseline-code"),
                                         (["--baseline-code", "/no/such/dir"], "no torchrl_oni package there")])
-def test_collector_throughput_rejects_bad_input_in_one_line(flags, said):
-    from helpers import BENCH, run_script
+def test_collector_throughput_rejects_bad_input_in_one_line(flags, said, capfd):
+    from helpers import BENCH, script_exit
 
-    out = run_script([BENCH / "collector_throughput.py", *flags], timeout=120)
-    assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+    code, err = script_exit(BENCH / "collector_throughput.py", flags, capfd)
+    assert code == 2 and said in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("exploration_type", [None, InteractionType.DETERMINISTIC], ids=["random", "deterministic"])

@@ -1,7 +1,7 @@
 """Seconds-long runs of the throughput benchmarks, so that a refactor cannot leave them crashing:
 each must end with its JSON line and the fields BENCHMARKS.md quotes."""
 import pytest
-from helpers import BENCH, bench_json, run_script, script_exit
+from helpers import BENCH, bench_json, script_exit
 
 
 def test_learner_throughput_smoke():
@@ -65,10 +65,10 @@ def test_train_throughput_prices_a_reward_type_on_a_task_smoke():
 
 @pytest.mark.parametrize("flags", [["--baseline-intrinsic-reward", "none"], ["--rounds", "3"],
                                    ["--baseline-prefetch-batches", "0"]])
-def test_train_throughput_refuses_baseline_settings_without_a_baseline(flags):
-    out = run_script([BENCH / "train_throughput.py", "--seconds", "1", *flags], timeout=120)
-    assert out.returncode == 2 and "give --baseline-code" in out.stderr and flags[0] in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+def test_train_throughput_refuses_baseline_settings_without_a_baseline(flags, capfd):
+    code, err = script_exit(BENCH / "train_throughput.py", ["--seconds", "1", *flags], capfd)
+    assert code == 2 and "give --baseline-code" in err and flags[0] in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_drop_in_overhead_smoke():
