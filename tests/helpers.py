@@ -112,6 +112,20 @@ def one_error_line(proc, prog):
     return errors[0]
 
 
+def main_in_process(main, args, capfd):
+    """A command's ``main(args)`` run in this process, as its console script runs it, for the
+    refusals it makes before any work (no Python process started to import torch for them): a
+    ``CompletedProcess`` of its exit status and what reached stdout and stderr (``capfd``: the
+    test's fixture), for :func:`one_error_line`."""
+    capfd.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as stop:
+        code = stop.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 # ------------------------------------------------------------------------------------ benchmarks
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 """The benchmark scripts' folder."""

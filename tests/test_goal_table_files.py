@@ -75,12 +75,14 @@ def test_the_files_are_allocated_in_full(tmp_path):
     table.close()
 
 
-def test_oni_train_names_a_goal_table_dir_that_is_not_there(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-m", "torchrl_oni.train", "--intrinsic-reward", "ellm", "--annotator",
-                           "scripted", "--ellm-encoder", "hashed", "--ellm-goal-conditioned", "--ellm-goal-table-dir",
-                           str(tmp_path / "nope"), "--logdir", str(tmp_path / "run"), "--frames", "1024"],
-                          capture_output=True, text=True, timeout=300, env=env)
+def test_oni_train_names_a_goal_table_dir_that_is_not_there(tmp_path, capfd):
+    from helpers import main_in_process
+
+    from torchrl_oni.train.cli import main
+
+    done = main_in_process(main, ["--intrinsic-reward", "ellm", "--annotator", "scripted", "--ellm-encoder", "hashed",
+                                  "--ellm-goal-conditioned", "--ellm-goal-table-dir", tmp_path / "nope", "--logdir",
+                                  tmp_path / "run", "--frames", "1024"], capfd)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"oni-train: error: --ellm-goal-table-dir {tmp_path / 'nope'}: no such directory"

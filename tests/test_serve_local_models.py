@@ -15,7 +15,7 @@ import sys
 import urllib.request
 
 import pytest
-from helpers import one_error_line, run_cli
+from helpers import main_in_process, one_error_line, run_cli
 
 from torchrl_oni.serve import models
 from torchrl_oni.serve.embedded import start_embedded_server
@@ -223,20 +223,24 @@ def _bad_inputs(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing path", "empty folder", "no weights", "no tokenizer", "not GGUF"])
-def test_a_path_that_holds_no_model_exits_2_with_one_line(tmp_path, case):
+def test_a_path_that_holds_no_model_exits_2_with_one_line(tmp_path, case, capfd):
+    from torchrl_oni.serve.cli import main
+
     path, words = _bad_inputs(tmp_path)[case]
-    line = _one_error_line(run_cli("torchrl_oni.serve", "--model", path, "--port", "0"))
+    line = _one_error_line(main_in_process(main, ["--model", path, "--port", "0"], capfd))
     assert words in line and path in line and "expected a packaged model name" in line
 
 
-def test_a_checkpoint_transformers_cannot_load_exits_2_with_one_line(tmp_path, cache):
+def test_a_checkpoint_transformers_cannot_load_exits_2_with_one_line(tmp_path, cache, capfd):
     pytest.importorskip("transformers")
+    from torchrl_oni.serve.cli import main
+
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
     (broken / "model.safetensors").write_bytes(b"")
     (broken / "tokenizer.json").write_text("{}")
-    line = _one_error_line(run_cli("torchrl_oni.serve", "--model", str(broken), "--port", "0", timeout=120))
+    line = _one_error_line(main_in_process(main, ["--model", broken, "--port", "0"], capfd))
     assert f"transformers cannot load checkpoint folder {broken}" in line
 
 
