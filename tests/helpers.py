@@ -116,12 +116,25 @@ def main_in_process(main, args, capfd):
     """A command's ``main(args)`` run in this process, as its console script runs it, for the
     refusals it makes before any work (no Python process started to import torch for them): a
     ``CompletedProcess`` of its exit status and what reached stdout and stderr (``capfd``: the
-    test's fixture), for :func:`one_error_line`."""
+    test's fixture), for :func:`one_error_line`. Its log lines reach stderr as the command writes
+    them: its ``logging.basicConfig`` adds no handler where pytest's is in place, so this adds one
+    of the command's format while it runs."""
+    import logging
+
     capfd.readouterr()
+    root = logging.getLogger()
+    handler = None
+    if root.handlers:
+        handler = logging.StreamHandler(sys.stderr)  # sys.stderr: capfd's, while the test runs
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
     try:
         code = main([str(a) for a in args])
     except SystemExit as stop:
         code = stop.code
+    finally:
+        if handler is not None:
+            root.removeHandler(handler)
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
 

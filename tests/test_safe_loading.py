@@ -8,8 +8,6 @@ garbage; and the states the trainer checkpoints must load with ``weights_only=Tr
 import io
 import os
 import pickle
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -311,7 +309,11 @@ def test_checkpoints_written_before_this_fix_still_load(tmp_path):
 
 # ---------------------------------------------------------------------------- the command line
 @pytest.mark.parametrize("content", ["garbage", "crafted"])
-def test_oni_train_resume_from_a_bad_checkpoint_is_one_error_line(tmp_path, content):
+def test_oni_train_resume_from_a_bad_checkpoint_is_one_error_line(tmp_path, content, capfd):
+    from helpers import main_in_process
+
+    from torchrl_oni.train.cli import main
+
     run = tmp_path / "run"
     run.mkdir()
     marker = tmp_path / "marker"
@@ -319,11 +321,9 @@ def test_oni_train_resume_from_a_bad_checkpoint_is_one_error_line(tmp_path, cont
         (run / "checkpoint.pt").write_bytes(b"\x00not a checkpoint" * 100)
     else:
         torch.save({"frames": 1, "payload": Payload(marker)}, run / "checkpoint.pt")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchrl_oni.train", "--resume", "--logdir", str(run), "--frames", "256",
-         "--workers", "1", "--envs-per-worker", "2", "--rollout", "32", "--no-progress", "--no-tensorboard"],
-        capture_output=True, text=True, timeout=300,
-    )
+    proc = main_in_process(main, ["--resume", "--logdir", run, "--frames", "256", "--workers", "1",
+                                  "--envs-per-worker", "2", "--rollout", "32", "--no-progress", "--no-tensorboard"],
+                           capfd)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("oni-train: error:") and "checkpoint" in lines[0], proc.stderr

@@ -1,7 +1,6 @@
 """PPO training end to end: a short run, checkpoint → resume, the CLI's error handling."""
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -148,31 +147,14 @@ def test_recurrent_policies_train(tmp_path, arch):
 
 def _oni_train(capfd, *args):
     """oni-train's ``main(args)`` run in this process, as ``python -m torchrl_oni.train ARGS`` runs it:
-    its exit status, stdout and stderr (``capfd``: the test's fixture), its log lines on stderr as the
-    command writes them (``main``'s ``logging.basicConfig`` finds pytest's handler in place here and
-    adds none).
-    The command's own process start is checked by ``run_cli`` tests (above, and in
-    test_train_intrinsic.py)."""
-    import logging
+    its exit status, stdout and stderr. The command's own process start is checked by ``run_cli``
+    tests (above, and in test_train_intrinsic.py)."""
+    from helpers import main_in_process
 
     from torchrl_oni.train.cli import main
 
-    capfd.readouterr()
-    root = logging.getLogger()
-    handler = None
-    if root.handlers:  # main's basicConfig adds none: this one writes what its handler would
-        handler = logging.StreamHandler(sys.stderr)  # sys.stderr: capfd's, while the test runs
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-    try:
-        code = main(list(args))
-    except SystemExit as stop:
-        code = stop.code
-    finally:
-        if handler is not None:
-            root.removeHandler(handler)
-    out, err = capfd.readouterr()
-    return code, out, err
+    done = main_in_process(main, args, capfd)
+    return done.returncode, done.stdout, done.stderr
 
 
 @pytest.mark.parametrize(
