@@ -207,14 +207,14 @@ SHARED_FIXTURES = {"browser", "cluster", "two_default_runs", "model_server", "en
 SESSION_FIXTURES = {"retrieval_run"}  # one group for all the modules that use it
 
 # Tests that run with no other test beside them under pytest-xdist, as they do in a serial run:
-# they kill or stop one of two env workers at a given batch and bound the run's time. (The prefetch
-# test that needs both of two workers to deliver among the first eight batches gives the slower
-# one time instead: it runs beside the others.)
+# they stop one of two env workers and assert it is killed within --worker-stall-timeout and a few
+# seconds, which a test beside them could stretch. (The tests that kill a worker, and the prefetch
+# test that needs both of two workers to deliver among the first eight batches, run beside the
+# others: a worker's death is named whatever state TorchRL finds the other in, and the prefetch
+# test gives the slower worker time.)
 ALONE = """
-tests/test_worker_faults.py::test_killed_worker_is_restarted_and_the_run_finishes
 tests/test_worker_faults.py::test_stopped_worker_is_killed_restarted_and_the_run_finishes
 tests/test_worker_faults.py::test_weight_update_waiting_for_a_stopped_worker_is_released
-tests/test_worker_faults.py::test_worker_dying_past_the_restarts_stops_with_checkpoint
 """.split()
 
 
