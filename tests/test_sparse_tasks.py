@@ -422,6 +422,42 @@ def test_paired_analysis_pairs_seeds_and_games_and_matches_a_reference(grid):
     assert "staircase / retrieval-llm - none" in text and "3/5/1" in text
 
 
+def test_seed_summaries_join_the_pairs_at_their_frames_and_match_a_reference(grid, tmp_path, capsys):
+    """A seed known only by its figures (its run folders lost) joins the paired analysis at the
+    runs' budget: its success rates join the seeds' t interval, its games the pooled McNemar."""
+    from scipy import stats as scipy_stats
+
+    per_run = [_evaluated("retrieval-llm", 1, "1000"), _evaluated("none", 1, "0000"),
+               _evaluated("retrieval-llm", 2, "0100"), _evaluated("none", 2, "0100")]
+    seed0 = {"task": "staircase", "setting": "retrieval-llm", "baseline": "none", "seed": 0, "frames": 4096,
+             "success": [0.75, 0.0], "episodes": {"both": 0, "only_setting": 3, "only_baseline": 0, "neither": 1},
+             "source": "BENCHMARKS.md"}
+    elsewhere = dict(seed0, seed=5, frames=8192)  # another budget: not joined
+    path = tmp_path / "summaries.json"
+    path.write_text(json.dumps([seed0, elsewhere]))
+    summaries = analysis.read_seed_summaries(path)
+    [row] = analysis.paired(per_run, "none", summaries)
+    a, b = [0.25, 0.25, 0.75], [0.0, 0.25, 0.0]  # seeds 1, 2, then the summary's seed 0
+    ci = scipy_stats.ttest_rel(a, b).confidence_interval()
+    assert row["seeds"] == [1, 2, 0] and row["summary_seeds"] == [0] and row["summary_sources"] == ["BENCHMARKS.md"]
+    assert row["success"]["mean"] == pytest.approx((0.25 + 0 + 0.75) / 3)
+    assert row["success"]["ci95"] == pytest.approx([ci.low, ci.high], abs=1e-3)
+    # seed 1: only ONI 1, neither 3; seed 2: both 1, neither 3; seed 0: only ONI 3, neither 1
+    assert row["episodes"] == {"both": 1, "only_setting": 4, "only_baseline": 0, "neither": 7, "pairs": 12,
+                               "p": pytest.approx(scipy_stats.binomtest(4, 4).pvalue)}
+    assert "seed 0: from its summary (BENCHMARKS.md)" in "\n".join(report.format_paired([row]))
+    # a summary without games paired by game: the success interval still counts it, the games not
+    [row] = analysis.paired(per_run, "none", [dict(seed0, episodes=None)])
+    assert row["success"]["n"] == 3 and row["episodes"] is None and "seed(s) 0" in row["episodes_unpaired"]
+    # a bad file is one GridError naming it
+    path.write_text(json.dumps([{"task": "staircase"}]))
+    with pytest.raises(analysis.GridError, match="entry 0 lacks setting"):
+        analysis.read_seed_summaries(path)
+    assert cli.main(["--root", str(tmp_path / "grid"), "--seed-summaries", str(path), "--dry-run"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--seed-summaries" in line and "entry 0 lacks setting" in line
+
+
 def test_death_causes_and_flags_are_pooled_over_the_seeds(grid):
     class Args:
         budgets = [1.0]

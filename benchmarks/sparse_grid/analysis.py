@@ -7,11 +7,12 @@ For whoever reads or changes the statistics; plain data in, plain data out (the 
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
-from sparse_grid.grid import EARLIER_EVAL_PATTERN, NONE, Run, _read_json, say
+from sparse_grid.grid import EARLIER_EVAL_PATTERN, NONE, GridError, Run, _read_json, say
 
 # eval.json statistics in the evaluation table: (key in the JSON rows, eval.json path, header)
 EVAL_METRICS = (
@@ -183,7 +184,35 @@ def aggregate(per_run: List[dict], args) -> List[dict]:
     return rows
 
 
-def paired(per_run: List[dict], baseline: str = NONE) -> List[dict]:
+# what a seed summary gives for a pair whose run folders are gone (:func:`read_seed_summaries`)
+SUMMARY_KEYS = ("task", "setting", "baseline", "seed", "frames", "success", "episodes", "source")
+EPISODE_KEYS = ("both", "only_setting", "only_baseline", "neither")
+
+
+def read_seed_summaries(path) -> List[dict]:
+    """The seed summaries in the JSON file ``path`` (a list of objects with :data:`SUMMARY_KEYS`):
+    a pair of runs (setting and baseline, one seed) known only by its figures, e.g. from
+    BENCHMARKS.md once its run folders are lost. ``success`` is ``[setting's, baseline's]``
+    success rate; ``episodes`` the games paired by game (:data:`EPISODE_KEYS` counts), or None
+    where they are not known. Raises :class:`GridError` naming what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise GridError(f"--seed-summaries {path}: {err}") from None
+    if not isinstance(data, list):
+        raise GridError(f"--seed-summaries {path}: expected a JSON list of seed summaries")
+    for i, entry in enumerate(data):
+        missing = [k for k in SUMMARY_KEYS if not isinstance(entry, dict) or k not in entry]
+        if missing:
+            raise GridError(f"--seed-summaries {path}: entry {i} lacks {', '.join(missing)}")
+        episodes = entry["episodes"]
+        if len(entry["success"]) != 2 or (episodes is not None and sorted(episodes) != sorted(EPISODE_KEYS)):
+            raise GridError(f"--seed-summaries {path}: entry {i}: success is [setting, baseline] and episodes "
+                            f"has {', '.join(EPISODE_KEYS)} (or is null)")
+    return data
+
+
+def paired(per_run: List[dict], baseline: str = NONE, summaries: Sequence[dict] = ()) -> List[dict]:
     """Per task, every setting against ``baseline`` on the seeds both have done: each seed is a pair
     (the two runs share the training seed and, when their ``eval_games`` agree, the evaluation games).
 
@@ -192,6 +221,10 @@ def paired(per_run: List[dict], baseline: str = NONE) -> List[dict]:
     ``episodes``: the episodes paired by game over those seeds — counts of both/only one/neither
     succeeding and the exact McNemar p — or None, with ``episodes_unpaired`` saying why, when some
     pair did not play the same games.
+
+    ``summaries`` (:func:`read_seed_summaries`) add the seeds a row's runs do not have, where the
+    summary's frames are the runs' budget (:func:`budget_of`): their success rates join the seeds',
+    their games the pooled counts; ``summary_seeds`` and ``summary_sources`` name them.
     """
     from torchrl_oni.stats import mcnemar_exact, paired_difference
 
@@ -226,8 +259,34 @@ def paired(per_run: List[dict], baseline: str = NONE) -> List[dict]:
                 counts["pairs"] = sum(counts.values())
                 counts["p"] = mcnemar_exact(counts["only_setting"], counts["only_baseline"])
                 row["episodes"] = counts
+            budgets = {budget_of(r["frames"]) for pair in pairs for r in pair if r.get("frames")}
+            extra = [x for x in summaries if (x["task"], x["setting"], x["baseline"]) == (task, setting, baseline)
+                     and x["seed"] not in seeds and budgets == {budget_of(x["frames"])}]
+            if extra:
+                _add_summaries(row, pairs, extra)
             rows.append(row)
     return rows
+
+
+def _add_summaries(row: dict, pairs: List[tuple], extra: List[dict]) -> None:
+    """``row`` of :func:`paired` with the seed summaries ``extra`` joined (see there)."""
+    from torchrl_oni.stats import mcnemar_exact, paired_difference
+
+    mine = [a["eval"]["success"] for a, _ in pairs] + [x["success"][0] for x in extra]
+    base = [b["eval"]["success"] for _, b in pairs] + [x["success"][1] for x in extra]
+    row["success"] = paired_difference(mine, base)
+    row["seeds"] = row["seeds"] + [x["seed"] for x in extra]
+    row["summary_seeds"] = [x["seed"] for x in extra]
+    row["summary_sources"] = [x["source"] for x in extra]
+    unknown = [str(x["seed"]) for x in extra if x["episodes"] is None]
+    if row["episodes"] is not None and not unknown:
+        counts = {k: row["episodes"][k] + sum(int(x["episodes"][k]) for x in extra) for k in EPISODE_KEYS}
+        counts["pairs"] = sum(counts.values())
+        counts["p"] = mcnemar_exact(counts["only_setting"], counts["only_baseline"])
+        row["episodes"] = counts
+    elif unknown:
+        row["episodes"] = None
+        row["episodes_unpaired"] = f"seed(s) {', '.join(unknown)}: the summary has no games paired by game"
 
 
 def budget_of(frames: int) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import grid_archive
-from sparse_grid.analysis import aggregate, by_frames, collect_run, paired
+from sparse_grid.analysis import aggregate, by_frames, collect_run, paired, read_seed_summaries
 from sparse_grid.grid import (EVAL_MODULE, NONE, TRAIN_MODULE, GridError, Run, build_grid, eval_command,
                               parse_eval_flags, parse_train_flags, say, update_status)
 from sparse_grid.launcher import Launcher, create_untrained, display_command, forward_signals, run_pool
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-variant", action="append", default=[], metavar="NAME",
                    help="run 'none' with the flags of --variant NAME too, as setting 'none+NAME' (what the "
                         "option does without an intrinsic reward); repeatable")
+    p.add_argument("--seed-summaries", type=Path, default=None, metavar="FILE",
+                   help="a JSON list of seed pairs known only by their figures (their run folders gone), "
+                        "joined to the paired analysis at their frames (sparse_grid/analysis.py)")
     p.add_argument("--baseline", default=NONE, metavar="SETTING",
                    help="the setting the paired analysis compares every other one with (default: %(default)s; "
                         "e.g. retrieval-scripted to compare its variants with it)")
@@ -176,6 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.extra, args.eval_extra = args.extra.strip(), args.eval_extra.strip()
     args.extra_for = [(key, flags.strip()) for key, flags in args.extra_for]
     try:
+        args.summaries = read_seed_summaries(args.seed_summaries) if args.seed_summaries else []
         runs, eval_args = plan(args)
     except GridError as err:
         return report(PROG, str(err))
@@ -211,7 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failed = [r for r in runs if r.outcome == "failed"]
     per_run = [collect_run(r, args) for r in runs]
     rows = aggregate(per_run, args)
-    paired_rows = paired(per_run, args.baseline)
+    paired_rows = paired(per_run, args.baseline, args.summaries)
     frames_rows = by_frames(per_run, args.baseline)
     figures = make_figures(runs, args) if args.plot else []
     if args.plot and frames_rows:
@@ -224,7 +228,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "random": args.random, "frames": args.frames, "episodes": args.episodes, "extra": args.extra,
                  "extra_for": [list(x) for x in args.extra_for], "variants": [list(x) for x in args.variant],
                  "control_variants": args.control_variant,
-                 "eval_extra": args.eval_extra, "baseline": args.baseline},
+                 "eval_extra": args.eval_extra, "baseline": args.baseline,
+                 "seed_summaries": str(args.seed_summaries) if args.seed_summaries else None},
         "budgets": args.budgets,
         "rows": rows,
         "paired": paired_rows,

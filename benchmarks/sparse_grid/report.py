@@ -141,6 +141,8 @@ def format_paired(rows: List[dict]) -> List[str]:
                      f"{eps[0]:>10}{eps[1]:>20}{eps[2]:>14}")
         if e is None and r.get("episodes_unpaired"):
             lines.append(f"  {r['episodes_unpaired']}")
+        for seed, source in zip(r.get("summary_seeds", ()), r.get("summary_sources", ())):
+            lines.append(f"  seed {seed}: from its summary ({source})")
     return lines
 
 
