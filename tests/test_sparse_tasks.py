@@ -449,6 +449,12 @@ def test_seed_summaries_join_the_pairs_at_their_frames_and_match_a_reference(gri
     # a summary without games paired by game: the success interval still counts it, the games not
     [row] = analysis.paired(per_run, "none", [dict(seed0, episodes=None)])
     assert row["success"]["n"] == 3 and row["episodes"] is None and "seed(s) 0" in row["episodes_unpaired"]
+    # ... and beside runs that played other games, both reasons are given
+    other_games = dict(per_run[1]["eval_games"], seed=1)
+    [row] = analysis.paired([per_run[0], _evaluated("none", 1, "0000", games=other_games)], "none",
+                            [dict(seed0, episodes=None)])
+    assert "seed(s) 1: the two runs were not" in row["episodes_unpaired"]
+    assert "seed(s) 0: the summary has no games" in row["episodes_unpaired"]
     # a bad file is one GridError naming it
     path.write_text(json.dumps([{"task": "staircase"}]))
     with pytest.raises(analysis.GridError, match="entry 0 lacks setting"):

@@ -239,54 +239,42 @@ def paired(per_run: List[dict], baseline: str = NONE, summaries: Sequence[dict] 
             if not seeds:
                 continue
             pairs = [(done[(task, setting, k)], done[(task, baseline, k)]) for k in seeds]
-            row = {"task": task, "setting": setting, "baseline": baseline, "seeds": seeds,
-                   "success": paired_difference([a["eval"]["success"] for a, _ in pairs],
-                                                [b["eval"]["success"] for _, b in pairs]),
-                   "episodes": None}
+            budgets = {budget_of(r["frames"]) for pair in pairs for r in pair if r.get("frames")}
+            extra = [x for x in summaries if (x["task"], x["setting"], x["baseline"]) == (task, setting, baseline)
+                     and x["seed"] not in seeds and budgets == {budget_of(x["frames"])}]
+            mine = [a["eval"]["success"] for a, _ in pairs] + [x["success"][0] for x in extra]
+            base = [b["eval"]["success"] for _, b in pairs] + [x["success"][1] for x in extra]
+            row = {"task": task, "setting": setting, "baseline": baseline, "seeds": seeds + [x["seed"] for x in extra],
+                   "success": paired_difference(mine, base), "episodes": None}
+            if extra:
+                row["summary_seeds"] = [x["seed"] for x in extra]
+                row["summary_sources"] = [x["source"] for x in extra]
             mismatched = [k for k, (a, b) in zip(seeds, pairs)
                           if a.get("eval_games") != b.get("eval_games") or not a.get("episode_success")
                           or len(a["episode_success"]) != len(b.get("episode_success") or "")]
+            unknown = [x["seed"] for x in extra if x["episodes"] is None]
+            unpaired = []
             if mismatched:
-                row["episodes_unpaired"] = (f"seed(s) {', '.join(map(str, mismatched))}: the two runs were not "
-                                            "evaluated on the same games (eval.json differs in "
-                                            f"{'/'.join(EVAL_GAMES)} or has no per_episode)")
+                unpaired.append(f"seed(s) {', '.join(map(str, mismatched))}: the two runs were not evaluated on "
+                                f"the same games (eval.json differs in {'/'.join(EVAL_GAMES)} or has no per_episode)")
+            if unknown:
+                unpaired.append(f"seed(s) {', '.join(map(str, unknown))}: the summary has no games paired by game")
+            if unpaired:
+                row["episodes_unpaired"] = "; ".join(unpaired)
             else:
-                counts = {"both": 0, "only_setting": 0, "only_baseline": 0, "neither": 0}
+                counts = dict.fromkeys(EPISODE_KEYS, 0)
                 for a, b in pairs:
                     for x, y in zip(a["episode_success"], b["episode_success"]):
                         counts[{("1", "1"): "both", ("1", "0"): "only_setting", ("0", "1"): "only_baseline",
                                 ("0", "0"): "neither"}[(x, y)]] += 1
+                for x in extra:
+                    for key in EPISODE_KEYS:
+                        counts[key] += int(x["episodes"][key])
                 counts["pairs"] = sum(counts.values())
                 counts["p"] = mcnemar_exact(counts["only_setting"], counts["only_baseline"])
                 row["episodes"] = counts
-            budgets = {budget_of(r["frames"]) for pair in pairs for r in pair if r.get("frames")}
-            extra = [x for x in summaries if (x["task"], x["setting"], x["baseline"]) == (task, setting, baseline)
-                     and x["seed"] not in seeds and budgets == {budget_of(x["frames"])}]
-            if extra:
-                _add_summaries(row, pairs, extra)
             rows.append(row)
     return rows
-
-
-def _add_summaries(row: dict, pairs: List[tuple], extra: List[dict]) -> None:
-    """``row`` of :func:`paired` with the seed summaries ``extra`` joined (see there)."""
-    from torchrl_oni.stats import mcnemar_exact, paired_difference
-
-    mine = [a["eval"]["success"] for a, _ in pairs] + [x["success"][0] for x in extra]
-    base = [b["eval"]["success"] for _, b in pairs] + [x["success"][1] for x in extra]
-    row["success"] = paired_difference(mine, base)
-    row["seeds"] = row["seeds"] + [x["seed"] for x in extra]
-    row["summary_seeds"] = [x["seed"] for x in extra]
-    row["summary_sources"] = [x["source"] for x in extra]
-    unknown = [str(x["seed"]) for x in extra if x["episodes"] is None]
-    if row["episodes"] is not None and not unknown:
-        counts = {k: row["episodes"][k] + sum(int(x["episodes"][k]) for x in extra) for k in EPISODE_KEYS}
-        counts["pairs"] = sum(counts.values())
-        counts["p"] = mcnemar_exact(counts["only_setting"], counts["only_baseline"])
-        row["episodes"] = counts
-    elif unknown:
-        row["episodes"] = None
-        row["episodes_unpaired"] = f"seed(s) {', '.join(unknown)}: the summary has no games paired by game"
 
 
 def budget_of(frames: int) -> int:
