@@ -171,13 +171,12 @@ def script_exit(script, args, capfd):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.argv = [str(script), *args]
-        try:  # a main() without parameters reads sys.argv
-            code = module.main(args) if inspect.signature(module.main).parameters else module.main()
-        except SystemExit as stop:
-            code = stop.code
+        # a main() without parameters reads sys.argv
+        main = module.main if inspect.signature(module.main).parameters else (lambda _: module.main())
+        done = main_in_process(main, args, capfd)
     finally:
         sys.path[:], sys.argv = saved
-    return code, capfd.readouterr().err
+    return done.returncode, done.stderr
 
 
 def bench_json(args, timeout=240, env=None):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY
+from helpers import TINY, main_in_process
 from torchrl_oni.run_folder import CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME
 from torchrl_oni.train.run_log import read_metrics
 
@@ -163,14 +163,13 @@ def test_resume_without_logdir_continues_the_newest_run(two_default_runs, tmp_pa
     assert saved.log.resume is None and saved.log.logdir == f"runs/{older.name}"
 
 
-def test_resume_without_any_run_is_one_line(tmp_path, capsys, monkeypatch):
+def test_resume_without_any_run_is_one_line(tmp_path, capfd, monkeypatch):
     from torchrl_oni.train.cli import main
 
     monkeypatch.chdir(tmp_path)  # where the default runs/ would be
-    with pytest.raises(SystemExit) as stop:
-        main([*TINY, "--resume"])
-    lines = _lines(capsys.readouterr().err)
-    assert stop.value.code == 2 and len(lines) == 1 and "no run to continue" in lines[0], lines
+    out = main_in_process(main, [*TINY, "--resume"], capfd)
+    lines = _lines(out.stderr)
+    assert out.returncode == 2 and len(lines) == 1 and "no run to continue" in lines[0], lines
 
 
 # ------------------------------------------------------------------ oni-eval -o, oni-replay -o
