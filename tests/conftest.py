@@ -4,7 +4,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 import pytest
 
@@ -195,11 +194,10 @@ torchrl_oni/train/ppo.py::torchrl_oni.train.ppo
 # and the tests of a module that share one of its costly module-scoped fixtures (built once, not
 # once per worker). xdist hands out the groups first (the largest first), then the other tests:
 # the slow ones first, so that the run does not end on one long test while the other worker waits.
-# The ``alone`` tests are sorted first: their group is handed out first when no group is larger
-# (see ``_alone_under_xdist``).
 RAY = ("tests/test_ray_backend.py", "tests/test_benchmark_smoke.py::test_scale_out_smoke")
+# module-scoped: one group per module
 SHARED_FIXTURES = {"browser", "cluster", "two_default_runs", "model_server", "engines", "packaged", "minilm",
-                   "labels_source", "readme_script_runs", "parallel_counted_rollout"}  # module-scoped: one group per module
+                   "labels_source", "readme_script_runs", "parallel_counted_rollout"}
 SESSION_FIXTURES = {"retrieval_run"}  # one group for all the modules that use it
 
 # Tests that run with no other test beside them under pytest-xdist, as they do in a serial run:
@@ -238,42 +236,14 @@ def pytest_collection_modifyitems(config, items):
         elif SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if "PYTEST_XDIST_WORKER" in os.environ:  # a worker: every worker sorts alike (a stable sort)
-        items.sort(key=lambda item: (item.get_closest_marker("alone") is None, item.get_closest_marker("slow") is None))
-
-
-def pytest_collection_finish(session):
-    if "PYTEST_XDIST_WORKER" in os.environ:  # the tests that run: -m, -k and --deselect have chosen
-        _SESSION["alone_first"] = _alone_handed_out_first(session.config, session.items)
-
-
-def _alone_handed_out_first(config, items):
-    """Whether xdist hands out the ``alone`` group before anything else: it hands out the tests'
-    scopes (a group, or a test of none) in the order of their first test, the largest first
-    (``--loadscope-reorder``, its default; a stable sort)."""
-    if not config.getoption("loadgroup", False):  # what xdist leaves of --dist loadgroup in a worker
-        return False
-    sizes = {}
-    for item in items:
-        group = item.get_closest_marker("xdist_group")
-        scope = group.args[0] if group else item.nodeid
-        sizes[scope] = sizes.get(scope, 0) + 1
-    first = next(iter(sizes), None)
-    if config.getoption("loadscopereorder", True):
-        first = max(sizes, key=sizes.get, default=None)  # the first of the largest
-    return first == "alone"
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 # The ``alone`` tests hold a run-wide lock that every other test takes shared: one waits for the
 # test running beside it to end, and the other worker's next test waits for it (and for the
 # ``alone`` tests after it, one group on one worker). A gate lock, taken in turn, keeps a waiting
-# ``alone`` test from being starved by the tests that keep starting beside it. When the ``alone``
-# group is handed out first, the first test of every other worker lets it take the lock first: the
-# other workers wait for the group either way, and its first test then waits for no long test
-# beside it.
+# ``alone`` test from being starved by the tests that keep starting beside it.
 _HELD = {}  # this worker's hold of the lock between tests: {"fd": ..., "kind": ...}
-_SESSION = {}  # {"alone_first": whether the alone group is handed out first}, set at collection
-_ALONE_BEGAN = "tests-alone-began"  # in the run's shared folder once an alone test holds the lock
-_ALONE_START_S = 20.0  # how long a worker's first test waits for the alone group to begin
 
 
 def _flock(path, kind):
@@ -294,20 +264,14 @@ def _alone_under_xdist(request, tmp_path_factory):
         yield
         return
     kind = fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH
-    shared = tmp_path_factory.getbasetemp().parent  # one folder for all the workers of this run
-    if _SESSION.pop("alone_first", False) and kind == fcntl.LOCK_SH:  # this worker's first test
-        deadline = time.monotonic() + _ALONE_START_S
-        while not (shared / _ALONE_BEGAN).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
     if _HELD.get("kind") != kind:
         _release()
+        shared = tmp_path_factory.getbasetemp().parent  # one folder for all the workers of this run
         gate = _flock(shared / "tests-gate.lock", fcntl.LOCK_EX)
         try:
             _HELD.update(fd=_flock(shared / "tests.lock", kind), kind=kind)
         finally:
             os.close(gate)
-        if kind == fcntl.LOCK_EX:
-            (shared / _ALONE_BEGAN).touch()
     yield
     if kind == fcntl.LOCK_SH:
         _release()
