@@ -137,8 +137,11 @@ def test_caption_hash_refuses_what_is_not_a_message():
 
 
 # ----------------------------------------------------------------------------- counts
-def _outer_counter(env_cls, transform):
-    return TransformedEnv(env_cls(2, [partial(_short_game, 7), partial(_short_game, 11)]), transform)
+def _outer_counter(env_cls, transform, game=None):
+    """``transform`` outside ``env_cls`` of two games of 7 and 11 steps (``game(max_steps)``, by
+    default :func:`_short_game`)."""
+    game = game or _short_game
+    return TransformedEnv(env_cls(2, [partial(game, 7), partial(game, 11)]), transform)
 
 
 def _counting_worker(max_steps):
@@ -162,8 +165,7 @@ def parallel_counted_rollout():
         if not done:
             outside = Compose(CaptionHash().set_keys(caption_hash=OUTSIDE["caption_hash"]),
                               MessageCounter(in_keys=[OUTSIDE["caption_hash"]], out_keys=[OUTSIDE["msg_count"]]))
-            env = TransformedEnv(ParallelEnv(2, [partial(_counting_worker, 7), partial(_counting_worker, 11)]),
-                                 outside)
+            env = _outer_counter(ParallelEnv, outside, game=_counting_worker)
             env.set_seed(0)
             try:
                 done.append(env.rollout(120, break_when_any_done=False))
