@@ -644,25 +644,36 @@ def test_curve_values_are_read_at_the_budgets(grid, tmp_path):
 
 @pytest.mark.slow
 def test_the_gpu_call_script_brings_back_runs_the_grid_counts_as_done(tmp_path, capsys):
-    """benchmarks/gpu_sparse_call.sh on the CPU at toy sizes: one call per run, the run folders come
-    back without checkpoints, and the grid's own command, pointed at them, counts them as done."""
+    """benchmarks/gpu_sparse_call.sh on the CPU at toy sizes: one call per run; each finished run
+    comes back as its archive folder packed in files the machine can return (no folders, under
+    16 MiB), and the grid's own command, pointed at the unpacked archive, rebuilds them as done."""
     repo = SCRIPT.parent.parent
+    out_dir = tmp_path / "out"
     # two updates, one evaluation game (oni-eval plays a single game in its own process: no
     # worker processes to start)
     env = dict(os.environ, DEVICE="cpu", WORKERS="1", ENVS="4", BATCH="256", FRAMES="512",
-               EPISODES="1", GRID=str(tmp_path / "node"), OUT=str(tmp_path / "out"))
+               EPISODES="1", GRID=str(tmp_path / "node"), OUT=str(out_dir), ARCHIVE=str(tmp_path / "node_archive"))
     call = ["bash", str(repo / "benchmarks" / "gpu_sparse_call.sh")]
-    for setting in ("retrieval-scripted", "none"):  # none is judged by retrieval-scripted's labels
+    for setting in ("retrieval-store", "none"):  # none is judged by retrieval-store's labels
         out = subprocess.run(call + [setting, "0", "300"], cwd=repo, env=env, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-        assert f"copied runs/lvl3_gpu/staircase-lvl3/{setting}/seed0" in out.stdout
-    back = tmp_path / "out" / "runs" / "lvl3_gpu"
-    assert not list(back.rglob("checkpoint.pt")) and not list(back.rglob("tensorboard"))
-    assert sorted(p.parent.parent.name for p in back.rglob("eval.json")) == ["none", "retrieval-scripted"]
-    # the grid's command on this side, --root where the folders were copied: done, nothing to run
-    assert cli.main(["--root", str(back), "--tasks", "staircase-lvl3", "--rewards", "none", "retrieval",
-                     "--annotators", "scripted", "--seeds", "0", "--frames", "512", "--episodes", "1", "--extra",
+        assert f"packed benchmarks/results/lvl3_gpu/staircase-lvl3/{setting}/seed0: finished" in out.stdout
+    assert all(p.is_file() and p.stat().st_size <= 16 * 2**20 for p in out_dir.iterdir())
+    here = tmp_path / "checkout"
+    here.mkdir()
+    for setting in ("retrieval-store", "none"):
+        subprocess.run(["tar", "-xzf", str(out_dir / f"lvl3_gpu_{setting}_seed0.tgz")], cwd=here, check=True)
+    archive = here / "benchmarks" / "results" / "lvl3_gpu" / "staircase-lvl3"
+    assert sorted(p.name for p in archive.iterdir()) == ["none", "retrieval-store"]
+    assert {"eval_512.json", "config.yaml", "metrics.csv", "checkpoint.pt.gz", "captions.pt.gz"} <= {
+        p.name for p in (archive / "retrieval-store" / "seed0").iterdir()}
+    # the grid's command on this side, an empty --root and the unpacked archive: done, nothing to run
+    assert cli.main(["--root", str(tmp_path / "fresh"), "--archive", str(archive.parent),
+                     "--tasks", "staircase-lvl3", "--rewards", "none", "retrieval",
+                     "--annotators", "store", "--extra-for", "store",
+                     "--labels-from benchmarks/labels/staircase-lvl3_qwen2.5-coder-0.5b.jsonl.gz",
+                     "--seeds", "0", "--frames", "512", "--episodes", "1", "--extra",
                      "--device cpu --workers 1 --envs-per-worker 4 --prefetch-batches 0 --frames-per-update 256 "
                      "--minibatch-size 256 --extrinsic-coeff 10", "--dry-run"]) == 0, capsys.readouterr().err[-2000:]
     listed, _ = _json_line(capsys.readouterr().out)
