@@ -10,6 +10,12 @@ import pytest
 # ``from helpers import ...`` works in every import mode.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# worker processes start as oni-train and oni-eval start them: forks of one fork server per test
+# process that imported torch, TorchRL and NLE once (tests/test_worker_start.py checks spawn too)
+from torchrl_oni.worker_start import use_forkserver  # noqa: E402
+
+use_forkserver()
+
 
 @pytest.fixture(scope="module")
 def browser():

@@ -22,6 +22,7 @@ from nle import nethack
 from .captions import decode_message, hash_bytes
 from .progression import progression
 from .spawn_check import check_main_guard
+from .worker_start import worker_context
 
 TTY_KEYS = ("tty_chars", "tty_colors", "tty_cursor")
 END_NAMES = {-1: "timeout", 0: "running", 1: "death", 2: "success"}
@@ -272,14 +273,13 @@ def _run_shards(shards, settings, actor, primer, actor_state, greedy, workers, b
                 return [_play_shard(s, settings, actor, primer, greedy, lambda: bar.update(1)) for s in shards]
         finally:
             torch.set_num_threads(threads)  # the env factory sets one thread, as in a worker
-    import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
     from queue import Empty
 
-    # spawn, not fork: the caller may hold threads (tqdm, a learner, an annotation worker)
-    check_main_guard("spawn")  # an unguarded script would be re-run by every worker the pool starts
-    ctx = mp.get_context("spawn")
+    # spawn or the fork server, never fork: the caller may hold threads (tqdm, a learner, an annotation worker)
+    ctx = worker_context()
+    check_main_guard(ctx.get_start_method())  # an unguarded script would be re-run by every worker the pool starts
     queue = ctx.Queue()
     payload = {"settings": settings, "actor_state": actor_state, "greedy": greedy}
     results: Dict[int, dict] = {}

@@ -98,6 +98,7 @@ from .run_folder import CAPTION_STORE_NAME, CONFIG_NAME, EVAL_NAME, METRICS_NAME
 from .reward_hacking.death_causes import death_causes_check, format_death_causes, read_baseline
 from .reward_hacking.tally import DEATH_WINDOW, REPORT_NAME as REWARD_HACKING_NAME, HackingTally, format_report
 from .stats import mean_ci, wilson_interval
+from .worker_start import use_forkserver
 
 __all__ = ["evaluate", "EvalError", "format_table", "main", "EVAL_NAME"]
 
@@ -583,6 +584,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as stop:  # argparse already printed its one line (or --help)
         return int(stop.code or 0)
+    use_forkserver()  # the game processes start as forks of one process that imported torch and NLE once
     if args.output is not None and not args.overwrite and os.path.isfile(args.output):
         # checked before minutes of play; the default RUN/eval.json is the run's latest evaluation and is
         # re-written by design, but a file the user named may be anything they keep

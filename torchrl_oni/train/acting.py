@@ -85,6 +85,8 @@ from torchrl.modules import set_recurrent_mode
 from torchrl.modules.inference_server import (InferenceServer, MPTransport, PolicyClientModule,
                                               ProcessSlotTransport)
 
+from ..worker_start import worker_context
+
 __all__ = ["PolicyServer", "PolicyServerGone", "WorkerPolicy"]
 
 
@@ -276,7 +278,7 @@ class PolicyServer:
         self._lock = threading.Lock()
         self._server = None
         self._last = (time.perf_counter(), 0, 0, 0, 0.0)  # metrics() deltas: time, requests, forwards, games, busy
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         alive = ctx.Event()
         alive.set()
         self.games_per_worker = None

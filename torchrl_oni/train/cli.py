@@ -39,6 +39,7 @@ from typing import List, Optional, Tuple
 
 from ..cli_errors import OneLineArgumentParser, fail, one_line
 from ..config_tree import add_arguments, apply_arguments
+from ..worker_start import use_forkserver
 from .config import CONFIG_NAME, PRESETS, TrainConfig
 
 PROG = "oni-train"
@@ -244,6 +245,7 @@ def _main(argv: Optional[List[str]], made: List[str]) -> int:
         _check_startable(cfg)
     except (ValueError, RuntimeError) as err:  # RuntimeError: a --device torch does not know
         fail(PROG, str(err))
+    use_forkserver()  # env workers start as forks of one process that imported torch, TorchRL and NLE once
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("torchrl").setLevel(logging.WARNING)  # its INFO lines (storage sizes) would go to stdout
     logging.getLogger("torchrl_oni").setLevel(logging.INFO)  # what the run is doing: LLM start-up, resume
