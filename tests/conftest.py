@@ -59,7 +59,7 @@ _THREADS = []  # torch's thread count when the first test starts (the test modul
 def _torch_threads_as_at_the_start():
     """Every test starts with torch's thread count of the session's start: a test that changed it
     (TorchRL's SerialEnv and collectors set it in this process, and so may a doctest) leaves no
-    extra threads behind, which on 2 cores shared by two pytest-xdist workers would spin against
+    extra threads behind, which on 2 cores shared by three pytest-xdist workers would spin against
     each other and slow the next test's small in-process model many times over."""
     import torch
 
@@ -194,7 +194,7 @@ torchrl_oni/train/backends.py::torchrl_oni.train.backends.make_collector
 torchrl_oni/train/ppo.py::torchrl_oni.train.ppo
 """.split()
 
-# pytest-xdist (``-n 2``, with ``--dist loadgroup`` from pytest.ini) runs the tests of one group on
+# pytest-xdist (``-n 3``, with ``--dist loadgroup`` from pytest.ini) runs the tests of one group on
 # one worker, one after another: every test that starts Ray (two instances at once on 2 cores, and
 # a client that joins the other's, are not what those tests check), the ``alone`` tests (below),
 # and the tests of a module that share one of its costly module-scoped fixtures (built once, not
