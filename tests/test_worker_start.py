@@ -83,3 +83,10 @@ def test_worker_start_benchmark_refuses_a_bad_count(capfd):
 
     code, err = script_exit(BENCH / "worker_start.py", ["--rounds", "0"], capfd)
     assert code == 2 and err.strip() == "worker_start.py: error: --workers, --envs and --rounds must be at least 1"
+
+
+def test_the_packages_own_workers_never_fork(tmp_path):
+    # a script may set fork for TorchRL's workers (the tutorials do); oni-eval's games and the
+    # policy server's clients still start without copying the caller's threads
+    got = _worker_holds(tmp_path, 'multiprocessing.set_start_method("fork", force=True)')
+    assert got == "spawn []"

@@ -277,8 +277,7 @@ def _run_shards(shards, settings, actor, primer, actor_state, greedy, workers, b
     from concurrent.futures.process import BrokenProcessPool
     from queue import Empty
 
-    # spawn or the fork server, never fork: the caller may hold threads (tqdm, a learner, an annotation worker)
-    ctx = worker_context()
+    ctx = worker_context()  # spawn or the fork server, never fork
     check_main_guard(ctx.get_start_method())  # an unguarded script would be re-run by every worker the pool starts
     queue = ctx.Queue()
     payload = {"settings": settings, "actor_state": actor_state, "greedy": greedy}

@@ -54,6 +54,9 @@ def use_forkserver(preload: Sequence[str] = PRELOAD) -> str:
 
 
 def worker_context():
-    """The multiprocessing context for this package's own worker processes: the program's start
-    method if it chose one (:func:`use_forkserver` does), else ``spawn``, as TorchRL decides."""
-    return multiprocessing.get_context(multiprocessing.get_start_method(allow_none=True) or "spawn")
+    """The multiprocessing context for this package's own worker processes (``oni-eval``'s games,
+    the policy server's clients): the fork server where the program chose it (:func:`use_forkserver`),
+    else ``spawn``; never ``fork``, since the caller may hold threads (a learner, tqdm, an annotation
+    worker) that a fork would copy mid-step."""
+    method = multiprocessing.get_start_method(allow_none=True)
+    return multiprocessing.get_context("forkserver" if method == "forkserver" else "spawn")
