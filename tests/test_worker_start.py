@@ -72,9 +72,11 @@ def test_oni_train_and_oni_eval_choose_the_fork_server_before_any_work(monkeypat
 def test_worker_start_benchmark_times_both_start_methods():
     from helpers import BENCH, bench_json
 
-    result, table = bench_json([BENCH / "worker_start.py", "--workers", "1", "--envs", "2", "--rounds", "1"])
+    result, table = bench_json([BENCH / "worker_start.py", "--workers", "1", "--envs", "2", "--rounds", "1",
+                                "--batches", "2"])
     assert set(result["first_batch_s"]) == {"spawn", "forkserver"}
     assert all(t[0] > 0 for t in result["first_batch_s"].values()) and result["forkserver_over_spawn"] > 0
+    assert all(f[0] > 0 for f in result["steady_fps"].values()) and result["steady_forkserver_over_spawn"] > 0
     assert "forkserver" in table and "first batch s" in table
 
 
@@ -82,7 +84,8 @@ def test_worker_start_benchmark_refuses_a_bad_count(capfd):
     from helpers import BENCH, script_exit
 
     code, err = script_exit(BENCH / "worker_start.py", ["--rounds", "0"], capfd)
-    assert code == 2 and err.strip() == "worker_start.py: error: --workers, --envs and --rounds must be at least 1"
+    assert code == 2 and err.strip() == ("worker_start.py: error: --workers, --envs and --rounds must be at least 1, "
+                                         "--batches at least 0")
 
 
 def test_the_packages_own_workers_never_fork(tmp_path):
