@@ -3,7 +3,7 @@
 Each round runs, in a fresh Python process per row, what ``oni-train`` does before its first
 update: build ``--workers`` env workers of ``--envs`` games (``make_local_collector``, the light
 policy) and take one batch from them. A row's time is from the process's start (its imports
-included) to that first batch, then to the workers' shutdown. Rows:
+included) to that first batch, and that plus the workers' shutdown. Rows:
 
 ===============  ===========================================================================
 row              how the workers start
@@ -31,6 +31,7 @@ import sys
 import time
 
 ROWS = ("spawn", "forkserver")
+ROLLOUT = 8  # steps per game in a batch
 
 
 def _one_start(method: str, workers: int, envs: int, batches: int) -> dict:
@@ -46,22 +47,24 @@ def _one_start(method: str, workers: int, envs: int, batches: int) -> dict:
     from torchrl_oni.train.env_factory import make_env_factory
     from torchrl_oni.train.policy import acting_copy, make_actor_critic
 
-    cfg = TrainConfig(workers=workers, envs_per_worker=envs, rollout=8).resolved()
+    cfg = TrainConfig(workers=workers, envs_per_worker=envs, rollout=ROLLOUT).resolved()
     factories = [make_env_factory(cfg, w) for w in range(workers)]
     env = factories[0]()
     actor = make_actor_critic(env)[0]
     env.close()
-    batch = envs * 8  # one rollout of every game of a worker
+    batch = envs * ROLLOUT  # one rollout of every game of a worker
     collector = make_local_collector(factories, acting_copy(actor), frames_per_batch=batch,
                                      total_frames=batch * (1 + batches))
-    first = steady_from = None
+    first = None
     for _ in collector:
         if first is None:
             first = time.perf_counter() - t0
-            steady_from = time.perf_counter()
-    steady_fps = batch * batches / (time.perf_counter() - steady_from) if batches else None
+    steady_s = time.perf_counter() - t0 - first
+    shutdown_from = time.perf_counter()
     collector.shutdown()
-    return {"first_batch_s": first, "total_s": time.perf_counter() - t0, "steady_fps": steady_fps}
+    # the --batches after the first are not part of the start: the total is first batch + shutdown
+    return {"first_batch_s": first, "total_s": first + time.perf_counter() - shutdown_from,
+            "steady_fps": batch * batches / steady_s if batches else None}
 
 
 def main(argv=None) -> int:
