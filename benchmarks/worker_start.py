@@ -68,7 +68,9 @@ def _one_start(method: str, workers: int, envs: int, batches: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from torchrl_oni.cli_errors import OneLineArgumentParser
+
+    p = OneLineArgumentParser(prog="worker_start.py", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=2, help="env worker processes (default 2)")
     p.add_argument("--envs", type=int, default=32, help="games per worker (default 32, the CPU default)")
     p.add_argument("--rounds", type=int, default=5, help="rounds, the rows taking turns (default 5)")
@@ -76,10 +78,9 @@ def main(argv=None) -> int:
                    help="batches after the first, timed as the workers' steady frames/s (default 0: none)")
     p.add_argument("--one", choices=ROWS, help=argparse.SUPPRESS)  # a row's own process
     args = p.parse_args(argv)
-    if min(args.workers, args.envs, args.rounds) < 1 or args.batches < 0:
-        print("worker_start.py: error: --workers, --envs and --rounds must be at least 1, --batches at least 0",
-              file=sys.stderr)
-        return 2
+    for flag, least in (("workers", 1), ("envs", 1), ("rounds", 1), ("batches", 0)):
+        if getattr(args, flag) < least:
+            p.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}")
     if args.one:
         print(json.dumps(_one_start(args.one, args.workers, args.envs, args.batches)))
         return 0

@@ -80,12 +80,16 @@ def test_worker_start_benchmark_times_both_start_methods():
     assert "forkserver" in table and "first batch s" in table
 
 
-def test_worker_start_benchmark_refuses_a_bad_count(capfd):
+@pytest.mark.parametrize("args, message", [
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--batches", "-1"], "--batches must be >= 0, got -1"),
+    (["--workers", "two"], "argument --workers: invalid int value: 'two'"),
+])
+def test_worker_start_benchmark_refuses_bad_input_in_one_line(capfd, args, message):
     from helpers import BENCH, script_exit
 
-    code, err = script_exit(BENCH / "worker_start.py", ["--rounds", "0"], capfd)
-    assert code == 2 and err.strip() == ("worker_start.py: error: --workers, --envs and --rounds must be at least 1, "
-                                         "--batches at least 0")
+    code, err = script_exit(BENCH / "worker_start.py", args, capfd)
+    assert code == 2 and err.strip() == f"worker_start.py: error: {message} (see --help)"
 
 
 def test_the_packages_own_workers_never_fork(tmp_path):
