@@ -40,7 +40,8 @@ BATCH=${BATCH:-16384}  # frames per update, and per minibatch
 GRID=${GRID:-/tmp/oni_lvl3_gpu}
 OUT=${OUT:?set OUT: the folder whose files come back}
 LABELS=benchmarks/labels/staircase-lvl3_qwen2.5-coder-0.5b.jsonl.gz
-ARCHIVE=${ARCHIVE:-benchmarks/results/lvl3_gpu}  # the smoke test points it elsewhere
+KEEP=benchmarks/results/lvl3_gpu  # the GPU grid's archive in the repository
+ARCHIVE=${ARCHIVE:-$KEEP}  # where this call archives its runs (the smoke test points it elsewhere)
 case "$SETTING" in
   none) REWARDS=(none retrieval); ANNOTATORS=(store) ;;  # its store_from: retrieval-store, done first
   retrieval-scripted) REWARDS=(retrieval); ANNOTATORS=(scripted) ;;
@@ -68,13 +69,13 @@ timeout -s INT -k 60 "$SECONDS_LEFT" python3 benchmarks/sparse_tasks.py --root "
   > "$OUT/grid_${SETTING}_seed${SEED}.log" 2>&1
 rc=$?
 tail -n 25 "$OUT/grid_${SETTING}_seed${SEED}.log" | cut -c1-400
-RUN=runs/lvl3_gpu/staircase-lvl3/$SETTING/seed$SEED
 KEPT=staircase-lvl3/$SETTING/seed$SEED
+RUN=runs/lvl3_gpu/$KEPT
 PACK="$OUT/lvl3_gpu_${SETTING}_seed${SEED}.tgz"
 rm -f "$PACK" "$PACK".*
 if [ -f "$GRID/$RUN/eval.json" ] && [ -d "$ARCHIVE/$KEPT" ]; then
-  tar -C "$ARCHIVE" --transform "s,^,benchmarks/results/lvl3_gpu/," -czf "$PACK" "$KEPT"
-  what="benchmarks/results/lvl3_gpu/$KEPT: finished, its archive folder"
+  tar -C "$ARCHIVE" --transform "s,^,$KEEP/," -czf "$PACK" "$KEPT"  # unpacked in the checkout's root
+  what="$KEEP/$KEPT: finished, its archive folder"
 elif [ -d "$GRID/$RUN" ]; then  # device time may end before the next call: the checkpoint comes back
   tar -C "$GRID" --exclude=tensorboard -czf "$PACK" "$RUN"
   what="$RUN: not finished (grid exit $rc), with its checkpoint: call again while the machine is warm, or carry runs/lvl3_gpu later"
