@@ -10,11 +10,15 @@ import pytest
 # ``from helpers import ...`` works in every import mode.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# worker processes start as oni-train and oni-eval start them: forks of one fork server per test
-# process that imported torch, TorchRL and NLE once (tests/test_worker_start.py checks spawn too)
-from torchrl_oni.worker_start import use_forkserver  # noqa: E402
 
-use_forkserver()
+def pytest_configure(config):
+    """Worker processes start as oni-train and oni-eval start them: forks of one fork server per
+    process that runs tests, which imported torch, TorchRL and NLE once (tests/test_worker_start.py
+    checks spawn too). Not in pytest-xdist's controller, which runs none."""
+    if "PYTEST_XDIST_WORKER" in os.environ or not getattr(config.option, "numprocesses", None):
+        from torchrl_oni.worker_start import use_forkserver
+
+        use_forkserver()
 
 
 @pytest.fixture(scope="module")
