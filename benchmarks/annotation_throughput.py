@@ -14,6 +14,8 @@ Usage::
 
     python benchmarks/annotation_throughput.py --seconds 60 --model smollm2 --threads 2
     python benchmarks/annotation_throughput.py --llm-url http://gpu-node:8000/v1   # any server (vLLM)
+    python benchmarks/annotation_throughput.py --model qwen --layout padded --compare-layout tree \
+        --throughput-captions real_captions --max-tokens 2      # two paths, one run
 
 With ``--llm-url`` the model rows measure that server (``--llm-model``: default the only model it
 lists; ``--llm-api-key``: default ``OPENAI_API_KEY``) instead of starting the embedded one, and
@@ -27,6 +29,7 @@ import argparse
 import asyncio
 import json
 import math
+import random
 import resource
 import sys
 import time
@@ -109,8 +112,13 @@ def _session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), headers=_HEADERS)
 
 
+# Tokens asked per caption: the score reads the first one; the annotator asks 2 (the label, then
+# the end of the answer), which ``--max-tokens 2`` measures.
+MAX_TOKENS = {"n": 1}
+
+
 async def _score(session, url: str, model: str, messages: Sequence[str]) -> List[Optional[float]]:
-    body = {"model": model, "prompt": [short_prompt(m) for m in messages], "max_tokens": 1,
+    body = {"model": model, "prompt": [short_prompt(m) for m in messages], "max_tokens": MAX_TOKENS["n"],
             "logprobs": 5, "temperature": 0}
     async with session.post(url + "/completions", json=body) as resp:
         out = await resp.json()
@@ -120,9 +128,11 @@ async def _score(session, url: str, model: str, messages: Sequence[str]) -> List
     return [p_yes((c["logprobs"]["top_logprobs"] or [{}])[0]) for c in choices]
 
 
-async def _throughput(url: str, model: str, batch: int, seconds: float) -> Tuple[float, int]:
-    """Captions/s with one request of ``batch`` prompts in flight at a time."""
-    messages = [m for m, _ in LABELLED]
+async def _throughput(url: str, model: str, batch: int, seconds: float,
+                      messages: Optional[Sequence[str]] = None) -> Tuple[float, int]:
+    """Captions/s with one request of ``batch`` prompts in flight at a time, cycling through
+    ``messages`` (default: the hand-labelled ones)."""
+    messages = list(messages) if messages else [m for m, _ in LABELLED]
     done, i = 0, 0
     async with _session() as session:
         await _score(session, url, model, messages[:1])  # warm-up (prefix cache, threads)
@@ -245,53 +255,73 @@ def real_captions(n: int, seed: int = 0) -> List[str]:
 
 
 def compare_paths(args) -> int:
-    """The reference dtype against ``--compare-dtype`` in one run: speed, agreement, AUC."""
+    """The reference path (``--dtype``, ``--layout``) against the candidate (``--compare-dtype``,
+    ``--compare-layout``) in one run: speed, agreement, AUC, and the agreement of the reference
+    with itself when only the batches' make-up changes (its rounding floor)."""
     from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS
     from torchrl_oni.serve.embedded import start_embedded_server
 
     sets = {"hand_labelled": [m for m, _ in LABELLED],
             "judge_probe": list(dict.fromkeys([*NOT_PROGRESS, *PROGRESS["default"]])),
             "real_captions": real_captions(args.real_captions)}
-    paths = {"reference": args.dtype, "candidate": args.compare_dtype}
-    servers, result = {}, {"model": None, "threads": args.threads, "batch": args.compare_batch}
+    paths = {"reference": (args.dtype, args.layout),
+             "candidate": (args.compare_dtype or args.dtype, args.compare_layout or args.layout)}
+    throughput_set = sets[args.throughput_captions] or [m for m, _ in LABELLED]
+    servers, result = {}, {"model": None, "threads": args.threads, "batch": args.compare_batch,
+                           "max_tokens": MAX_TOKENS["n"], "throughput_captions": args.throughput_captions}
     try:
-        for role, dtype in paths.items():
+        for role, (dtype, layout) in paths.items():
             t0 = time.perf_counter()
-            servers[role] = start_embedded_server(args.model, port=0, threads=args.threads, dtype=dtype)
+            servers[role] = start_embedded_server(args.model, port=0, threads=args.threads, dtype=dtype,
+                                                  layout=layout)
             engine = servers[role].server.engine
             result[f"{role}_engine"] = type(engine).__name__
             result[f"{role}_dtype"] = getattr(getattr(engine, "loaded", None), "dtype", dtype)
+            result[f"{role}_layout"] = getattr(engine, "layout", "-")
             result[f"{role}_startup_s"] = round(time.perf_counter() - t0, 1)
             result["model"] = servers[role].model
-        scores = {}
-        for role, srv in servers.items():
+
+        def score_sets(srv, order_seed=None):
             async def score_all(url=srv.url, model=srv.model):
                 async with _session() as session:
                     out = {}
                     for name, msgs in sets.items():
-                        out[name] = []
-                        for start in range(0, len(msgs), args.compare_batch):
-                            out[name] += await _score(session, url, model, msgs[start:start + args.compare_batch])
+                        order = list(range(len(msgs)))
+                        if order_seed is not None:  # the same captions in other batches
+                            random.Random(order_seed).shuffle(order)
+                        got = [None] * len(msgs)
+                        for start in range(0, len(order), args.compare_batch):
+                            part = order[start:start + args.compare_batch]
+                            for i, score in zip(part, await _score(session, url, model, [msgs[i] for i in part])):
+                                got[i] = score
+                        out[name] = got
                     return out
-            scores[role] = asyncio.run(score_all())
+            return asyncio.run(score_all())
+
+        scores = {role: score_sets(srv) for role, srv in servers.items()}
+        reshuffled = score_sets(servers["reference"], order_seed=1)
         for role in paths:
             result[f"{role}_auc"] = round(accuracy_of(scores[role]["hand_labelled"])["auc"], 4)
-        agree_all, total = 0, 0
+        agree_all, total, floor_all = 0, 0, 0
         for name in sets:
             pairs = [(a, b) for a, b in zip(scores["reference"][name], scores["candidate"][name])]
             same = sum((a is not None and b is not None and (a >= 0.5) == (b >= 0.5)) for a, b in pairs)
+            itself = sum((a is not None and b is not None and (a >= 0.5) == (b >= 0.5))
+                         for a, b in zip(scores["reference"][name], reshuffled[name]))
             result[f"agreement_{name}"] = round(same / max(len(pairs), 1), 4)
+            result[f"reference_self_agreement_{name}"] = round(itself / max(len(pairs), 1), 4)
             result[f"n_{name}"] = len(pairs)
             result[f"max_score_change_{name}"] = round(max((abs(a - b) for a, b in pairs
                                                             if a is not None and b is not None), default=0), 4)
             if name != "real_captions":
-                agree_all, total = agree_all + same, total + len(pairs)
+                agree_all, total, floor_all = agree_all + same, total + len(pairs), floor_all + itself
         result["agreement_vs_reference"] = round(agree_all / max(total, 1), 4)
+        result["reference_self_agreement"] = round(floor_all / max(total, 1), 4)
         rates = {role: [] for role in paths}
         for _ in range(args.rounds):
             for role, srv in servers.items():
                 rate, _ = asyncio.run(_throughput(srv.url, srv.model, args.compare_batch,
-                                                  args.seconds / (2 * args.rounds)))
+                                                  args.seconds / (2 * args.rounds), throughput_set))
                 rates[role].append(round(rate, 2))
         for role in paths:
             result[f"{role}_captions_per_s"] = rates[role]
@@ -301,14 +331,17 @@ def compare_paths(args) -> int:
     finally:
         for srv in servers.values():
             srv.stop()
-    print(f"{result['model']}, {args.threads} threads, {args.compare_batch} prompts per request, "
+    print(f"{result['model']}, {args.threads} threads, {args.compare_batch} prompts per request "
+          f"({args.throughput_captions.replace('_', ' ')}, {MAX_TOKENS['n']} tokens asked), "
           f"{args.rounds} alternating rounds")
-    print(f"{'path':<11} {'engine':<20} {'dtype':<9} {'captions/s (rounds)':<28} {'AUC':>6}")
+    print(f"{'path':<11} {'engine':<20} {'dtype':<9} {'layout':<7} {'captions/s (rounds)':<28} {'AUC':>6}")
     for role in paths:
-        print(f"{role:<11} {result[role + '_engine']:<20} {result[role + '_dtype']:<9} "
+        print(f"{role:<11} {result[role + '_engine']:<20} {result[role + '_dtype']:<9} {result[role + '_layout']:<7} "
               f"{', '.join(map(str, result[role + '_captions_per_s'])):<28} {result[role + '_auc']:>6.3f}")
     print(f"speedup (medians) {result['speedup_vs_reference']:.2f}x; same label on "
           + ", ".join(f"{result['agreement_' + n]:.1%} of {result['n_' + n]} {n.replace('_', ' ')}" for n in sets))
+    print("the reference against itself, the same captions in other batches: "
+          + ", ".join(f"{result['reference_self_agreement_' + n]:.1%}" for n in sets))
     print(json.dumps(result))
     return 0
 
@@ -324,6 +357,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="instead of the rows below: serve the model in --dtype (the reference) "
                              "and in this dtype in the same run, alternate --rounds throughput "
                              "rounds at --compare-batch prompts, and compare their labels")
+    parser.add_argument("--layout", default="tree", choices=("tree", "padded"),
+                        help="how the float path runs a batch after its shared prefix (the engine's)")
+    parser.add_argument("--compare-layout", default=None, choices=("tree", "padded"),
+                        help="like --compare-dtype, for the layout (the two may be combined)")
+    parser.add_argument("--throughput-captions", default="hand_labelled", choices=("hand_labelled", "real_captions"),
+                        help="with a comparison: the captions the throughput rounds score")
+    parser.add_argument("--max-tokens", type=int, default=1, help="tokens asked per caption")
     parser.add_argument("--rounds", type=int, default=3, help="with --compare-dtype: rounds per path")
     parser.add_argument("--compare-batch", type=int, default=32,
                         help="with --compare-dtype: prompts per request")
@@ -344,6 +384,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--llm-api-key", default=None,
                         help="API key for --llm-url (default: the OPENAI_API_KEY environment variable)")
     args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        print(f"error: --max-tokens must be at least 1, not {args.max_tokens}", file=sys.stderr)
+        return 2
+    MAX_TOKENS["n"] = args.max_tokens
     if args.llm_url:
         from torchrl_oni.annotators.endpoints import AnnotatorUnavailable, _auth_headers, normalize_base_url, resolve_model
 
@@ -358,7 +402,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torchrl_oni.serve.embedded import start_embedded_server
     from torchrl_oni.serve.models import ModelNotInstalledError
 
-    if args.compare_dtype:
+    if args.compare_dtype or args.compare_layout:
         try:
             return compare_paths(args)
         except (ValueError, ModelNotInstalledError) as err:
@@ -387,7 +431,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         t0 = time.perf_counter()
         try:
-            srv = start_embedded_server(args.model, port=0, threads=args.threads, dtype=args.dtype)
+            srv = start_embedded_server(args.model, port=0, threads=args.threads, dtype=args.dtype,
+                                        layout=args.layout)
         except (ValueError, ModelNotInstalledError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -1,5 +1,6 @@
-"""The embedded judge's benchmarks run and say what BENCHMARKS.md quotes: the int8 comparison
-(`annotation_throughput.py --compare-dtype`) and the judge-share runs (`judge_share.py`)."""
+"""The embedded judge's benchmarks run and say what BENCHMARKS.md quotes: the int8 and layout
+comparisons (`annotation_throughput.py --compare-dtype / --compare-layout`) and the judge-share
+runs (`judge_share.py`)."""
 import pytest
 from helpers import BENCH, bench_json, script_exit
 
@@ -19,6 +20,28 @@ def test_int8_comparison_reports_speed_and_agreement():
     assert result["speedup_vs_reference"] > 0 and 0 <= result["agreement_vs_reference"] <= 1
     assert result["n_hand_labelled"] == 40 and result["n_judge_probe"] == 13 and result["n_real_captions"] == 20
     assert len(result["reference_captions_per_s"]) == len(result["candidate_captions_per_s"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not is_installed(TEST_MODEL), reason="the SmolLM2 weights are not installed")
+def test_layout_comparison_reports_speed_agreement_and_the_rounding_floor():
+    # float32: the token tree and padded batches compute the same numbers, so every label agrees
+    result, table = bench_json([BENCH / "annotation_throughput.py", "--model", TEST_MODEL, "--dtype", "float32",
+                                "--layout", "padded", "--compare-layout", "tree", "--throughput-captions",
+                                "real_captions", "--max-tokens", "2", "--seconds", "1", "--rounds", "1",
+                                "--real-captions", "40", "--threads", "1"], timeout=600)
+    assert "the reference against itself" in table
+    assert (result["reference_layout"], result["candidate_layout"]) == ("padded", "tree")
+    assert result["reference_dtype"] == result["candidate_dtype"] == "float32"
+    assert result["max_tokens"] == 2 and result["throughput_captions"] == "real_captions"
+    assert result["agreement_vs_reference"] == result["agreement_real_captions"] == 1.0
+    assert result["reference_self_agreement"] == 1.0 and result["n_real_captions"] == 40
+    assert result["speedup_vs_reference"] > 0
+
+
+def test_a_bad_max_tokens_is_one_line_and_exit_2(capfd):
+    code, err = script_exit(BENCH / "annotation_throughput.py", ["--max-tokens", "0"], capfd)
+    assert code == 2 and err.strip().count("\n") == 0 and "--max-tokens" in err
 
 
 @pytest.mark.slow

@@ -99,6 +99,7 @@ def start_embedded_server(
     port: int = 0,
     threads: Optional[int] = None,
     dtype: str = "auto",
+    layout: str = "tree",
     served_name: Optional[str] = None,
     max_tokens_cap: int = 128,
     max_batch: int = 64,
@@ -120,6 +121,8 @@ def start_embedded_server(
         threads: torch threads for the model (``None``: torch's default).
         dtype: ``"auto"``, ``"bfloat16"``, ``"float32"`` or ``"int8"`` (CTranslate2,
             :mod:`torchrl_oni.serve._int8`; the float path with one warning where it cannot run).
+        layout: how the float path runs a batch after its shared prefix, ``"tree"`` or
+            ``"padded"`` (:class:`~torchrl_oni.serve.engines.TransformersEngine`).
         served_name: the name clients use (default: the model's name).
         max_tokens_cap: the most tokens generated per prompt.
         max_batch: the most prompts per forward pass.
@@ -143,7 +146,7 @@ def start_embedded_server(
     """
     check_exposure(host, api_key, insecure_no_auth)
     engine = make_engine(backend, model, dtype=dtype, threads=threads,
-                         max_tokens_cap=max_tokens_cap)
+                         max_tokens_cap=max_tokens_cap, layout=layout)
     if isinstance(engine, TransformersEngine):
         engine.max_batch = min(engine.max_batch, max_batch)
     server = OpenAIServer(engine, served_name=served_name, max_batch=max_batch, api_key=api_key,

@@ -8,6 +8,8 @@ returning one :class:`Completion` per prompt, and ``render_chat(messages)``; the
   Scoring is the cheap path: a request with ``max_tokens=1`` and ``logprobs`` costs one forward
   pass, and every batch computes the prompts' shared token prefix (the template in front of the
   message) once, keeping it across requests in a small cache (measured ≈3× more captions/s).
+  After that prefix, the prompts run as one token tree (:mod:`._token_tree`): no pad tokens, and
+  captions that begin alike share their common beginning.
 * :class:`ScriptedEngine` — no model: answers from NetHack keyword rules, in the answer format
   the prompt asks for. For tests and for measuring client overhead.
 
@@ -23,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._completion import (PROMPT_BYTES_PER_TOKEN, AliveFn, Completion, common_prefix_len, cut_at_stop, eos_ids,
                           prompt_ids, render_chat, shared_prefix_len)
+from ._token_tree import ROW_TOKENS, token_tree
 
 __all__ = [
     "Completion",
@@ -34,6 +37,15 @@ __all__ = [
 ]
 
 SCRIPTED_MODEL_NAME = "scripted"
+
+# How a batch's prompts run after their shared prefix: ``"tree"`` computes each distinct run of
+# leading tokens once (:mod:`._token_tree`); ``"padded"`` pads every prompt to the longest.
+LAYOUTS = ("tree", "padded")
+# Prompts that share a beginning and then diverge, whose next tokens are sure: scored both ways
+# when an engine starts, to check that the model honours the tree's mask.
+_TREE_CHECK = ("Count on: one, two, three, four, five,", "Count on: one, two, three, a, b, c, d, e, f,",
+               "Count on: one, 1, 2, 3, 4,")
+_TREE_TOLERANCE = 0.5
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,6 +201,10 @@ class TransformersEngine:
         max_tokens_cap: the most tokens generated per prompt, whatever a request asks (ONI asks
             for 4096; a CPU model would take minutes). ``finish_reason`` is ``"length"`` when hit.
         max_batch: the most prompts run in one forward pass.
+        layout: how a batch runs after its shared prefix (:data:`LAYOUTS`): ``"tree"`` computes
+            each distinct run of leading tokens once and no pad tokens; ``"padded"`` pads every
+            prompt to the longest. A model that does not honour the tree's attention mask (checked
+            at start) runs padded, with one warning.
 
     Attributes:
         max_context: the model's context in tokens (prompt plus generated tokens).
@@ -196,8 +212,11 @@ class TransformersEngine:
             practice (:data:`PROMPT_BYTES_PER_TOKEN`); the server refuses them untokenised.
     """
 
-    def __init__(self, loaded, max_tokens_cap: int = 128, max_batch: int = 32) -> None:
+    def __init__(self, loaded, max_tokens_cap: int = 128, max_batch: int = 32, layout: str = "tree") -> None:
         import torch
+
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; choose {' or '.join(LAYOUTS)}")
 
         self.torch = torch
         self.loaded = loaded
@@ -213,6 +232,36 @@ class TransformersEngine:
         if self.pad_id is None:
             self.pad_id = next(iter(eos)) if eos else 0
         self.prefix_cache = _PrefixCache()
+        self.row_tokens = ROW_TOKENS
+        self.layout = "padded"
+        if layout == "tree":
+            problem = self._tree_problem()
+            if problem is None:
+                self.layout = "tree"
+            else:
+                warnings.warn(f"{self.model_name} does not honour a token tree's attention mask "
+                              f"({problem}); its batches run padded, which costs more compute",
+                              RuntimeWarning, stacklevel=3)
+
+    def _tree_problem(self) -> Optional[str]:
+        """None if a token tree scores :data:`_TREE_CHECK` as padded batches do, else how not
+        (a model that ignores custom 4D masks lets a prompt see its neighbours' tokens)."""
+        torch = self.torch
+        # Whole prompts, no cached prefix: their common beginning is shared inside the tree.
+        ids = [self.tokenizer(p).input_ids for p in _TREE_CHECK]
+        with torch.inference_mode():
+            try:
+                tree = self._first_tree(None, 0, ids, keep_cache=False)[0]
+            except Exception as err:  # noqa: BLE001 - any failure means: do not use it
+                return f"{type(err).__name__}: {err}"
+            padded = self._first_padded(None, 0, ids, keep_cache=False)[0]
+        want = torch.log_softmax(padded.float(), -1)
+        got = torch.log_softmax(tree.float(), -1)
+        top = want.topk(5, dim=-1).indices
+        gap = float((want.gather(1, top) - got.gather(1, top)).abs().max())
+        # Rounding moves these log-probabilities by hundredths even in bfloat16; a prompt that
+        # sees another's tokens moves them by whole units.
+        return None if gap < _TREE_TOLERANCE else f"log-probabilities differ by {gap:.2f}"
 
     # -- prompt handling ---------------------------------------------------------------------
     def render_chat(self, messages: Sequence[Dict[str, str]]) -> str:
@@ -310,6 +359,57 @@ class TransformersEngine:
                 results[i] = res
         return results
 
+    def _first_padded(self, kv, plen: int, suffixes, keep_cache: bool):
+        """The first forward with suffixes left-padded to one width: ``(logits [batch, vocab],
+        cache, 2D attention mask, each row's last position)`` for the decoding steps."""
+        torch = self.torch
+        batch = len(suffixes)
+        width = max(len(s) for s in suffixes)
+        # Pads sit between the prefix and each suffix, masked out; positions skip them.
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
+        mask = torch.ones((batch, plen + width), dtype=torch.long)
+        positions = torch.zeros((batch, width), dtype=torch.long)
+        for row, suffix in enumerate(suffixes):
+            pad = width - len(suffix)
+            input_ids[row, pad:] = torch.tensor(suffix, dtype=torch.long)
+            mask[row, plen:plen + pad] = 0
+            positions[row, pad:] = torch.arange(plen, plen + len(suffix))
+            positions[row, :pad] = plen  # ignored (masked), kept in range
+        cache = self._new_cache(kv, batch) if kv else None
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=keep_cache, logits_to_keep=1)
+        return out.logits[:, -1], out.past_key_values, mask, positions[:, -1]
+
+    def _first_tree(self, kv, plen: int, suffixes, keep_cache: bool):
+        """The first forward over the suffixes' token tree (:mod:`._token_tree`), with
+        :meth:`_first_padded`'s return; for decoding, each prompt's keys and values are gathered
+        from its tree row into a right-padded cache."""
+        torch = self.torch
+        tree = token_tree(suffixes, plen, self.pad_id, self.row_tokens)
+        rows = tree.input_ids.shape[0]
+        cache = self._new_cache(kv, rows) if kv else None
+        # Only the columns where a prompt ends are projected onto the vocabulary.
+        ends, end_of = torch.unique(tree.last[:, 1], return_inverse=True)
+        out = self.model(input_ids=tree.input_ids, attention_mask=tree.mask,
+                         position_ids=tree.position_ids, past_key_values=cache,
+                         use_cache=keep_cache, logits_to_keep=ends)
+        logits = out.logits[tree.last[:, 0], end_of]
+        if not keep_cache:
+            return logits, None, None, None
+        width = max(len(c) for c in tree.columns)
+        index = torch.zeros((len(suffixes), plen + width), dtype=torch.long)
+        mask = torch.zeros((len(suffixes), plen + width), dtype=torch.long)
+        index[:, :plen] = torch.arange(plen)
+        mask[:, :plen] = 1
+        for b, cols in enumerate(tree.columns):
+            index[b, plen:plen + len(cols)] = plen + torch.tensor(cols, dtype=torch.long)
+            mask[b, plen:plen + len(cols)] = 1
+        row_of = tree.last[:, 0, None]
+        kv_rows = [(k[row_of, :, index].transpose(1, 2), v[row_of, :, index].transpose(1, 2))
+                   for k, v in self._cache_tensors(out.past_key_values)]
+        last_pos = plen + torch.tensor([len(c) for c in tree.columns], dtype=torch.long) - 1
+        return logits, self._new_cache(kv_rows, len(suffixes)), mask, last_pos
+
     def _generate(self, ids_list, max_new, temperature, top_logprobs, stop,
                   alive: AliveFn) -> List[Completion]:
         torch = self.torch
@@ -320,21 +420,8 @@ class TransformersEngine:
         with torch.inference_mode():
             kv = self._prefix_kv(prefix, shared=batch > 1) if plen > 0 else None
             suffixes = [ids[plen:] for ids in ids_list]
-            width = max(len(s) for s in suffixes)
-            # Pads sit between the prefix and each suffix, masked out; positions skip them.
-            input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-            mask = torch.ones((batch, plen + width), dtype=torch.long)
-            positions = torch.zeros((batch, width), dtype=torch.long)
-            for row, suffix in enumerate(suffixes):
-                pad = width - len(suffix)
-                input_ids[row, pad:] = torch.tensor(suffix, dtype=torch.long)
-                mask[row, plen:plen + pad] = 0
-                positions[row, pad:] = torch.arange(plen, plen + len(suffix))
-                positions[row, :pad] = plen  # ignored (masked), kept in range
-            cache = self._new_cache(kv, batch) if kv else None
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=max_new > 1, logits_to_keep=1)
-            last_pos = positions[:, -1]
+            first = self._first_tree if self.layout == "tree" else self._first_padded
+            logits, cache, mask, last_pos = first(kv, plen, suffixes, keep_cache=max_new > 1)
             gen: List[List[int]] = [[] for _ in range(batch)]
             gen_lp: List[List[float]] = [[] for _ in range(batch)]
             gen_top: List[List[List[Tuple[str, float]]]] = [[] for _ in range(batch)]
@@ -342,9 +429,9 @@ class TransformersEngine:
             done = [False] * batch
             texts = [""] * batch
             for step in range(max_new):
-                logprobs = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
                 if temperature and temperature > 1e-5:
-                    probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
+                    probs = torch.softmax(logits.float() / temperature, dim=-1)
                     chosen = torch.multinomial(probs, 1)[:, 0]
                 else:
                     chosen = logprobs.argmax(dim=-1)
@@ -378,8 +465,9 @@ class TransformersEngine:
                 last_pos = last_pos + 1
                 mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
                 out = self.model(input_ids=chosen[:, None], attention_mask=mask,
-                                 position_ids=last_pos[:, None], past_key_values=out.past_key_values,
+                                 position_ids=last_pos[:, None], past_key_values=cache,
                                  use_cache=True, logits_to_keep=1)
+                cache, logits = out.past_key_values, out.logits[:, -1]
         results = []
         for row in range(batch):
             text = cut_at_stop(self.tokenizer.decode(gen[row], skip_special_tokens=True), stop)
@@ -396,12 +484,12 @@ class TransformersEngine:
 
 
 def make_engine(backend: str = "embedded", model: Optional[str] = None, *, dtype: str = "auto",
-                threads: Optional[int] = None, max_tokens_cap: int = 128):
+                threads: Optional[int] = None, max_tokens_cap: int = 128, layout: str = "tree"):
     """Builds the engine for ``backend`` (``"embedded"`` or ``"scripted"``).
 
     ``dtype`` is ``"auto"``, ``"bfloat16"`` or ``"float32"`` (transformers), or ``"int8"``
     (CTranslate2, :mod:`torchrl_oni.serve._int8`; the float path with one warning where it
-    cannot run).
+    cannot run). ``layout`` is the float path's (:class:`TransformersEngine`).
     """
     if backend == "scripted":
         return ScriptedEngine()
@@ -419,4 +507,4 @@ def make_engine(backend: str = "embedded", model: Optional[str] = None, *, dtype
             return engine
         warnings.warn(f"the int8 judge cannot run here: {reason}; serving {loaded.spec.name} in "
                       f"{loaded.dtype} instead", RuntimeWarning, stacklevel=2)
-    return TransformersEngine(loaded, max_tokens_cap=max_tokens_cap)
+    return TransformersEngine(loaded, max_tokens_cap=max_tokens_cap, layout=layout)
