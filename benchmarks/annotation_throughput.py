@@ -266,7 +266,10 @@ def compare_paths(args) -> int:
             "real_captions": real_captions(args.real_captions)}
     paths = {"reference": (args.dtype, args.layout),
              "candidate": (args.compare_dtype or args.dtype, args.compare_layout or args.layout)}
-    throughput_set = sets[args.throughput_captions] or [m for m, _ in LABELLED]
+    sets = {name: msgs for name, msgs in sets.items() if msgs}  # --real-captions 0: two sets
+    if args.throughput_captions not in sets:
+        raise ValueError(f"no real captions to score: {SHIPPED_LABELS} is missing")
+    throughput_set = sets[args.throughput_captions]
     servers, result = {}, {"model": None, "threads": args.threads, "batch": args.compare_batch,
                            "max_tokens": MAX_TOKENS["n"], "throughput_captions": args.throughput_captions}
     try:
@@ -388,6 +391,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: --max-tokens must be at least 1, not {args.max_tokens}", file=sys.stderr)
         return 2
     MAX_TOKENS["n"] = args.max_tokens
+    if args.throughput_captions == "real_captions" and args.real_captions <= 0:
+        print("error: --throughput-captions real_captions needs --real-captions of at least 1", file=sys.stderr)
+        return 2
     if args.llm_url:
         from torchrl_oni.annotators.endpoints import AnnotatorUnavailable, _auth_headers, normalize_base_url, resolve_model
 

@@ -39,9 +39,12 @@ def test_layout_comparison_reports_speed_agreement_and_the_rounding_floor():
     assert result["speedup_vs_reference"] > 0
 
 
-def test_a_bad_max_tokens_is_one_line_and_exit_2(capfd):
-    code, err = script_exit(BENCH / "annotation_throughput.py", ["--max-tokens", "0"], capfd)
-    assert code == 2 and err.strip().count("\n") == 0 and "--max-tokens" in err
+@pytest.mark.parametrize("args, names", [(["--max-tokens", "0"], "--max-tokens"),
+                                         (["--throughput-captions", "real_captions", "--real-captions", "0"],
+                                          "--real-captions")])
+def test_a_bad_comparison_is_one_line_and_exit_2(capfd, args, names):
+    code, err = script_exit(BENCH / "annotation_throughput.py", args, capfd)
+    assert code == 2 and err.strip().count("\n") == 0 and names in err
 
 
 @pytest.mark.slow
