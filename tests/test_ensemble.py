@@ -217,15 +217,33 @@ def test_surf_adds_confident_pseudo_labels_to_training():
         def helpful_probability(self, messages):
             return torch.ones(len(messages))
 
-    ens = Sure(size=2, seed=0)
-    unl = torch.as_tensor(encode_messages(["You see here a dagger.", "A boulder fills the corridor."]))
-    trainer = EnsembleClassifierTrainer(ens, store, surf=SURF(tau=0.99, lam=1.0, batch_size=2),
-                                        unlabelled=lambda n, rng: unl[:n], batch_size=8, holdout_fraction=0.0,
-                                        lr=3e-3)
-    out = trainer.train_steps(40)
+    # Captions of the negative templates that are not in the labelled set: the labels alone teach
+    # "not progress", so only the pseudo-label 1 can pull them above 0.5 (a caption unlike every
+    # template may land anywhere without SURF, and the test could pass with SURF doing nothing).
+    unl = torch.as_tensor(encode_messages(["The kitten bites!", "You hear kittens."]))
+
+    def train(surf):
+        # No dropout: its masks would come from the global RNG, whose state is whatever the tests
+        # run before this one in the process left (oni-train's Trainer seeds it in-process), so the
+        # outcome would depend on the test order. The gentle lr keeps a member's prediction on the
+        # two captions from hinging on the noise of 40 steps on a few dozen labels.
+        ens = Sure(size=2, seed=0, dropout=0.0)  # a fresh ensemble each time: training publishes into it
+        trainer = EnsembleClassifierTrainer(ens, store, surf=surf, unlabelled=lambda n, rng: unl[:n], batch_size=8,
+                                            holdout_fraction=0.0, lr=1e-3, seed=0)
+        out = trainer.train_steps(40)
+        with torch.no_grad():
+            logits = torch.stack([t.reward.model(unl) for t in trainer.trainers])
+        return ens, trainer, out, logits[..., 1] - logits[..., 0]  # [member, caption] log-odds of "helpful"
+
+    rng_state = torch.random.get_rng_state()
+    ens, trainer, out, with_surf = train(SURF(tau=0.99, lam=1.0, batch_size=2))
     assert out["pseudo_labelled"] == 2.0 and trainer.pseudo_labelled_total == 80
-    probs = torch.stack([t.reward.helpful_probability(unl) for t in trainer.trainers])
-    assert (probs > 0.5).all(), probs  # pulled towards the pseudo-label 1
+    _, _, _, without = train(None)
+    assert torch.equal(torch.random.get_rng_state(), rng_state)  # nothing read the global RNG
+    # Every member is pulled past 0.5 on both captions, and the pull is SURF's: the same seeds
+    # without it must come out well below, so a SURF that adds nothing cannot pass.
+    assert (with_surf > 0).all(), with_surf
+    assert with_surf.mean() > without.mean() + 4.0, (with_surf, without)
     with pytest.raises(ValueError, match="unlabelled"):
         EnsembleClassifierTrainer(ens, store, surf=SURF())
 

@@ -241,10 +241,14 @@ def test_batched_env_is_reproducible_with_a_seed():
 # ---------------------------------------------------------------------------- keys
 def test_stored_observations_do_not_alias():
     env = NLEBatchEnv("score", num_envs=2, seed=0)
+    # actions from a generator of the test's own, not the global RNG: the observations must change
+    # over the 30 steps (asserted below), and from whatever global state the tests run before this
+    # one left, some action streams get stuck at a prompt for most of them
+    actions = torch.Generator().manual_seed(0)
     td = env.reset()
     stored, snapshots = [], []
     for _ in range(30):
-        td["action"] = env.action_spec.rand()
+        td["action"] = torch.randint(env.action_spec.space.n, env.action_spec.shape, generator=actions)
         step_td, td = env.step_and_maybe_reset(td)
         stored.append(step_td)
         snapshots.append(step_td.clone())
