@@ -10,6 +10,7 @@ import csv
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -489,4 +490,34 @@ def test_sigterm_ends_a_run_with_a_stopped_worker_in_bounded_time(tmp_path, monk
     assert "SIGTERM: checkpoint and caption store saved" in capsys.readouterr().err
     assert not [t for t in threading.enumerate() if t.name == "oni-stall-watchdog"], "the watchdog is cancelled"
     assert process_state(info["pid"]) is None, "the stopped worker does not outlive the run"
+    assert load_checkpoint(os.path.join(tmp_path, "checkpoint.pt"))["frames"] > 0
+
+
+def test_a_stop_signal_inside_the_ppo_loss_ends_the_run_as_stopped(tmp_path, monkeypatch, capsys):
+    # TorchRL's PPO loss runs the actor inside a context manager that answers any exception raised
+    # in it with "Converting a tensordict to boolean value is not permitted": a SIGTERM that lands
+    # there must still end the run as a stop (exit 128 + 15, the checkpoint saved), not a failure.
+    from torchrl_oni.train import cli, policy
+
+    _, argv = _cli_run(tmp_path, monkeypatch)
+    forward = policy.LightNet.forward
+    sent = []
+
+    def in_the_loss():
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "_get_cur_log_prob":
+            frame = frame.f_back
+        return frame is not None
+
+    def forward_then_stop(self, *args, **kwargs):
+        if not sent and in_the_loss():  # the actor's pass in TorchRL's PPO loss
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(policy.LightNet, "forward", forward_then_stop)
+    assert cli.main(argv) == 128 + signal.SIGTERM
+    assert sent, "the update ran the actor"
+    err = capsys.readouterr().err
+    assert "SIGTERM: checkpoint and caption store saved" in err and "Traceback" not in err
     assert load_checkpoint(os.path.join(tmp_path, "checkpoint.pt"))["frames"] > 0

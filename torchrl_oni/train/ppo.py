@@ -73,6 +73,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 class _StopState:
     saving = False
+    signum: Optional[int] = None  # the signal that stopped the run, once one has
 
 
 @contextlib.contextmanager
@@ -88,7 +89,7 @@ def _stop_on_signals():
 
     def handler(signum, frame):
         if not state.saving:
-            state.saving = True
+            state.saving, state.signum = True, signum
             raise TrainingStopped(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
@@ -433,6 +434,14 @@ class Trainer:
                     break
         except TrainingStopped as stop:  # saved below like any end; the summary travels with it
             stopped = stop
+        except Exception as err:
+            # Code that wraps its own (TorchRL's PPO loss runs the actor inside a context manager
+            # that fails on any exception) can turn the stop raised in the middle of it into
+            # another error: once a signal has arrived, the run ends as stopped by it.
+            if stopping.signum is None:
+                raise
+            stopped = TrainingStopped(stopping.signum)
+            stopped.__cause__ = err
         finally:
             stopping.saving = True
             self.workers.shutdown()  # its watchdog first: nothing is killed during the final save
