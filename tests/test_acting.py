@@ -163,6 +163,17 @@ def test_the_server_samples_under_the_workers_interaction_type():
     assert not (sampled == greedy).all()
 
 
+def _published(client) -> bool:
+    """Whether a slot client's request is visible to the server: marked ready, or already drained.
+
+    A client flags itself in flight before it marks its slot ready, so waiting on that flag alone
+    can release the server while a request is still unpublished (it then gets a forward of its own).
+    Draining a slot zeroes its submission time, which the client set before the flag.
+    """
+    slot = client._slot_id
+    return client._in_flight and (client._request_ready[slot] == 1 or client._submitted_at[slot] == 0.0)
+
+
 def test_requests_that_arrive_together_share_one_forward():
     actor = _actor()
     tds = [_request(seed=s) for s in range(3)]
@@ -180,7 +191,7 @@ def test_requests_that_arrive_together_share_one_forward():
                 for t in threads:
                     t.start()
                 deadline = time.monotonic() + 10
-                while not all(p.client.client._in_flight for p in policies) and time.monotonic() < deadline:
+                while not all(_published(p.client.client) for p in policies) and time.monotonic() < deadline:
                     time.sleep(0.01)
             for t in threads:
                 t.join(10)

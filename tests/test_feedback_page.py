@@ -376,6 +376,23 @@ def test_oni_label_serves_saves_and_exits_cleanly(tmp_path, capsys, monkeypatch)
     assert CaptionStore.load(path).provenances == [Provenance("human", "ada", "feedback-v1")]
 
 
+def test_oni_label_stopped_while_the_page_starts_saves_and_exits_cleanly(tmp_path, capsys, monkeypatch):
+    from torchrl_oni.feedback import cli
+
+    path = _store({"You kill the newt!": 3}).save(tmp_path / "captions.pt")
+    real_start = FeedbackServer.start
+
+    def start(self, *args, **kwargs):  # Ctrl-C arrives while the page is still starting
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_start(self, *args, **kwargs)
+
+    monkeypatch.setattr(FeedbackServer, "start", start)
+    code = cli.main(["--store", str(path), "--port", "0"])
+    out = capsys.readouterr().out
+    assert code == 0 and "saved" in out and "0 answers" in out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handler is back
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--host", "0.0.0.0", "--token", "short"], "at least 16 characters"),
     (["--port", "70000"], "--port must be in"),

@@ -101,7 +101,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not 0 <= args.save_every <= 86400:  # also refuses nan
         fail(PROG, f"--save-every must be in [0, 86400] seconds, got {args.save_every}")
     from torchrl_oni.feedback.screens import ScreenSnapshots
-    from torchrl_oni.feedback.server import FeedbackServer
     from torchrl_oni.store import CaptionStore
 
     try:
@@ -117,6 +116,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             fail(PROG, str(err))
     first, first_from = _first_captions(args)
     token = args.token if args.token is not None else os.environ.get("ONI_LABEL_TOKEN")
+    # Handlers go in before the page starts: a Ctrl-C that lands while it starts still stops cleanly.
+    stop = threading.Event()
+
+    def _on_signal(signum, frame):
+        stop.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _serve(args, store, snapshots, first, first_from, token, stop)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0
+
+
+def _serve(args, store, snapshots, first, first_from, token, stop) -> None:
+    from torchrl_oni.feedback.server import FeedbackServer
+
     try:
         server = FeedbackServer(store, args.host, args.port, token, snapshots=snapshots, save_path=args.store,
                                 save_interval_s=args.save_every, labeller=args.labeller, announce=False,
@@ -133,25 +150,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{PROG}: {state['store']['size']} captions, {state['waiting']['captions']} waiting for a person, "
           f"{state['waiting']['pairs']} pairs; open {server.url_with_token} (Ctrl-C to stop)", flush=True)
 
-    stop = threading.Event()
-
-    def _on_signal(signum, frame):
-        stop.set()
-
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not stop.wait(0.5):
             if not server.running:
                 fail(PROG, "the labelling page stopped unexpectedly (see the log above)")
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         server.stop()
     if server.save_error:
         fail(PROG, f"could not save {args.store}: {server.save_error}")
     given = server.metrics()["human_labels"]
     print(f"{PROG}: saved {args.store} ({int(given)} answers this session)", flush=True)
-    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
