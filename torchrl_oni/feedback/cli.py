@@ -29,12 +29,13 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from torchrl_oni.cli_errors import OneLineArgumentParser, fail
 
@@ -116,50 +117,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             fail(PROG, str(err))
     first, first_from = _first_captions(args)
     token = args.token if args.token is not None else os.environ.get("ONI_LABEL_TOKEN")
-    # Handlers go in before the page starts: a Ctrl-C that lands while it starts still stops cleanly.
-    stop = threading.Event()
-
-    def _on_signal(signum, frame):
-        stop.set()
-
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        _serve(args, store, snapshots, first, first_from, token, stop)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return 0
-
-
-def _serve(args, store, snapshots, first, first_from, token, stop) -> None:
     from torchrl_oni.feedback.server import FeedbackServer
 
-    try:
-        server = FeedbackServer(store, args.host, args.port, token, snapshots=snapshots, save_path=args.store,
-                                save_interval_s=args.save_every, labeller=args.labeller, announce=False,
-                                first=first)
-        server.start()
-    except ValueError as err:
-        fail(PROG, str(err))
-    except OSError as err:
-        fail(PROG, f"cannot listen on {args.host}:{args.port} ({err.strerror or err})")
-    state = server.state()
-    if first_from is not None:
-        print(f"{PROG}: {state['first']} of the {len(first)} captions flagged in {first_from} wait for a person "
-              "and come first", flush=True)
-    print(f"{PROG}: {state['store']['size']} captions, {state['waiting']['captions']} waiting for a person, "
-          f"{state['waiting']['pairs']} pairs; open {server.url_with_token} (Ctrl-C to stop)", flush=True)
-
-    try:
-        while not stop.wait(0.5):
-            if not server.running:
-                fail(PROG, "the labelling page stopped unexpectedly (see the log above)")
-    finally:
-        server.stop()
+    # The handlers go in before the page starts: a Ctrl-C that lands while it starts still stops cleanly.
+    with _stop_requested() as stop:
+        try:
+            server = FeedbackServer(store, args.host, args.port, token, snapshots=snapshots, save_path=args.store,
+                                    save_interval_s=args.save_every, labeller=args.labeller, announce=False,
+                                    first=first)
+            server.start()
+        except ValueError as err:
+            fail(PROG, str(err))
+        except OSError as err:
+            fail(PROG, f"cannot listen on {args.host}:{args.port} ({err.strerror or err})")
+        state = server.state()
+        if first_from is not None:
+            print(f"{PROG}: {state['first']} of the {len(first)} captions flagged in {first_from} wait for a "
+                  "person and come first", flush=True)
+        print(f"{PROG}: {state['store']['size']} captions, {state['waiting']['captions']} waiting for a person, "
+              f"{state['waiting']['pairs']} pairs; open {server.url_with_token} (Ctrl-C to stop)", flush=True)
+        try:
+            while not stop.wait(0.5):
+                if not server.running:
+                    fail(PROG, "the labelling page stopped unexpectedly (see the log above)")
+        finally:
+            server.stop()
     if server.save_error:
         fail(PROG, f"could not save {args.store}: {server.save_error}")
     given = server.metrics()["human_labels"]
     print(f"{PROG}: saved {args.store} ({int(given)} answers this session)", flush=True)
+    return 0
+
+
+@contextlib.contextmanager
+def _stop_requested() -> Iterator[threading.Event]:
+    """An event that Ctrl-C or SIGTERM sets while the block runs; the caller's handlers come back after."""
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":  # pragma: no cover
