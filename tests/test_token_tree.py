@@ -11,19 +11,23 @@ import torch
 from torchrl_oni.serve._token_tree import token_tree
 
 
-def _ancestor_mask(tree, prefix_len):
-    """The mask rebuilt from each prompt's columns alone: a node sees the prefix, the nodes before
-    it on a prompt's path, and itself."""
+def _ancestor_mask(tree, prefix_len, cached=None, past_width=0):
+    """The mask rebuilt from each prompt's columns alone: a node sees the prefix, the prompt's
+    cached tokens, the nodes before it on the prompt's path, and itself."""
     rows, width = tree.input_ids.shape
-    want = torch.zeros((rows, 1, width, prefix_len + width), dtype=torch.bool)
+    cached = cached or [[] for _ in tree.columns]
+    start = prefix_len + past_width
+    want = torch.zeros((rows, 1, width, start + width), dtype=torch.bool)
     want[..., :prefix_len] = True
     for r in range(rows):
         for c in range(width):
-            want[r, 0, c, prefix_len + c] = True
-    for (row, _), cols in zip(tree.last.tolist(), tree.columns):
+            want[r, 0, c, start + c] = True
+    for (row, _), cols, past in zip(tree.last.tolist(), tree.columns, cached):
         for j, c in enumerate(cols):
+            for p in past:
+                want[row, 0, c, prefix_len + p] = True
             for a in cols[:j]:
-                want[row, 0, c, prefix_len + a] = True
+                want[row, 0, c, start + a] = True
     return want
 
 
@@ -56,15 +60,85 @@ def test_random_batches_match_the_mask_built_from_each_prompt_alone():
         assert tree.nodes == len(used)
 
 
-def test_rows_close_at_row_tokens_and_never_split_a_prompt():
-    suffixes = [[i, i + 1, i + 2] for i in range(0, 30, 3)] + [list(range(100, 112))]
-    tree = token_tree(suffixes, prefix_len=2, pad_id=0, row_tokens=7)
-    per_row = {}
-    for cols, row in zip(tree.columns, tree.rows):
-        per_row.setdefault(row, set()).update(cols)
-    assert len(per_row) > 1
-    # a row holds at most row_tokens nodes unless one prompt alone is longer
-    assert all(len(cols) <= 7 or len(cols) == 12 for cols in per_row.values())
+def test_cached_beginnings_are_seen_as_past_columns_and_not_run_again():
+    rng = random.Random(1)
+    for _ in range(30):
+        suffixes = [[rng.choice([3, 4, 5]) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 10))]
+        # a trie of earlier batches: a prompt's first k tokens are held at the columns of their paths
+        held = {}
+        for s in suffixes:
+            for k in range(1, len(s)):
+                if rng.random() < 0.5 and (k == 1 or tuple(s[:k - 1]) in held):
+                    held.setdefault(tuple(s[:k]), len(held))
+        cached = []
+        for s in suffixes:
+            cols = []
+            while len(cols) < len(s) - 1 and tuple(s[:len(cols) + 1]) in held:
+                cols.append(held[tuple(s[:len(cols) + 1])])
+            cached.append(cols)
+        prefix_len = rng.randint(0, 3)
+        tree = token_tree(suffixes, prefix_len=prefix_len, pad_id=99, row_tokens=rng.randint(1, 20),
+                          cached=cached, past_width=len(held))
+        assert torch.equal(tree.mask, _ancestor_mask(tree, prefix_len, cached, len(held)))
+        for suffix, cols, past, row in zip(suffixes, tree.columns, cached, tree.rows):
+            assert tree.input_ids[row, cols].tolist() == suffix[len(past):]  # only the new tokens run
+            assert tree.position_ids[row, cols].tolist() == list(range(prefix_len + len(past), prefix_len + len(suffix)))
+    with pytest.raises(ValueError, match="last token cannot be cached"):
+        token_tree([[1, 2]], prefix_len=0, pad_id=0, cached=[[0, 1]], past_width=2)
+
+
+def test_node_cache_keeps_parents_of_what_it_holds_when_it_evicts():
+    from torchrl_oni.serve._node_cache import NodeCache
+
+    rng = random.Random(2)
+    cache = NodeCache(capacity=16)
+    cache.reset(root=(0,))
+    paths = {}  # slot -> path, as stored
+    for _ in range(60):
+        suffixes = [[rng.choice([1, 2, 3]) for _ in range(rng.randint(2, 6))] for _ in range(rng.randint(1, 4))]
+        nodes, nodes_path, known = [], [], {}
+        for s in suffixes:
+            slots = cache.walk(s, len(s) - 1)
+            for k, slot in enumerate(slots):
+                assert paths[slot] == tuple(s[:k + 1])  # a walk finds what was stored under that path
+            parent = slots[-1] if slots else -1
+            for d in range(len(slots), len(s) - 1):
+                path = tuple(s[:d + 1])
+                if path not in known:
+                    known[path] = len(nodes)
+                    nodes.append((parent, s[d]))
+                    nodes_path.append(path)
+                parent = -2 - known[path]
+        kv = [(torch.zeros(1, len(nodes), 1), torch.zeros(1, len(nodes), 1))]
+        for slot, path in zip(cache.store(nodes, kv), nodes_path):
+            if slot >= 0:
+                paths[slot] = path
+        # every node held is reachable: its parent is held too
+        held = {slot: path for slot, path in paths.items() if cache._children.get(
+            (int(cache._parent[slot]), int(cache._token[slot]))) == slot}
+        assert len(held) == len(cache) <= 16
+        for slot, path in held.items():
+            parent = int(cache._parent[slot])
+            assert parent == -1 if len(path) == 1 else held.get(parent) == path[:-1]
+
+
+def test_rows_share_the_nodes_evenly_and_never_split_a_prompt():
+    rng = random.Random(3)
+    for _ in range(20):
+        suffixes = [[rng.randrange(50) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(2, 40))]
+        row_tokens = rng.randint(5, 60)
+        tree = token_tree(suffixes, prefix_len=2, pad_id=0, row_tokens=row_tokens)
+        per_row = {}
+        for cols, row in zip(tree.columns, tree.rows):
+            per_row.setdefault(row, set()).update(cols)  # a prompt's columns all lie in its own row
+        distinct = len({tuple(s[:d + 1]) for s in suffixes for d in range(len(s))})
+        rows = -(-distinct // row_tokens)
+        share = -(-distinct // rows)
+        sizes = [len(per_row[r]) for r in sorted(per_row)]
+        longest = max(len(s) for s in suffixes)
+        # each row but the last holds its share, and no row more than its share and one prompt
+        assert all(share <= n < share + longest for n in sizes[:-1]) and sizes[-1] < share + longest
+        assert len(sizes) <= rows + 1 and tree.input_ids.shape == (len(sizes), max(sizes))
 
 
 def test_a_prompt_with_no_token_of_its_own_is_refused():
@@ -141,6 +215,28 @@ def test_tree_generates_the_tokens_of_padded_batches(engines):
         assert g.token_logprobs == pytest.approx(w.token_logprobs, abs=1e-4)
     alone = [tree.complete([p], max_tokens=6)[0] for p in prompts]
     assert [a.tokens for a in alone] == [g.tokens for g in got]
+
+
+@needs_model
+@pytest.mark.parametrize("node_cache_mb", [256, 0.05])  # 0.05 MB: a few dozen tokens, evicted often
+def test_tokens_from_earlier_batches_give_a_plain_forwards_numbers(node_cache_mb):
+    from torchrl_oni.serve.engines import make_engine
+
+    engine = make_engine("embedded", TEST_MODEL, dtype="float32", threads=1, node_cache_mb=node_cache_mb)
+    assert engine.node_cache is not None
+    if node_cache_mb < 1:
+        assert engine.node_cache.capacity < 200
+    batches = [MESSAGES[:4], ["You kill the jackal!", "You see here a dagger!", "You see here 3 gold pieces."],
+               ["You kill the newt", "Never mind.", "x", "You see here a dagger."], ["You see here a scroll."]]
+    for messages in batches:
+        prompts = [_prompt(m) for m in messages]
+        hits = engine.node_cache.hits
+        got = engine.complete(prompts, max_tokens=3, top_logprobs=5)
+        for prompt, g in zip(prompts, got):
+            assert [v for _, v in g.top_logprobs[0]] == pytest.approx(_plain_top(engine, prompt), abs=1e-4)
+            assert g.tokens == engine.complete([prompt], max_tokens=3)[0].tokens
+    assert engine.node_cache.hits > hits  # the last batch's caption began as earlier ones did
+    assert engine.node_cache.root is not None and len(engine.node_cache) > 0
 
 
 @needs_model

@@ -7,7 +7,9 @@ once per caption. :func:`token_tree` lays a batch's suffixes (what follows the s
 as a trie packed into a few rows. Its 4D attention mask lets each node see the shared prefix and
 its own ancestors only, and its position is the one it has in its prompt, so a node's output is
 the one it would have in its own prompt: a prompt's last node gives that prompt's next-token
-logits.
+logits. A prompt's leading tokens may come from earlier batches (``cached``, see
+:mod:`._node_cache`): they sit after the prefix among the ``past_width`` columns the model is
+given, and the prompt's new nodes see the ones on its path.
 
 Example:
     >>> tree = token_tree([[5, 6, 7], [5, 6, 8], [9]], prefix_len=2, pad_id=0)
@@ -21,18 +23,25 @@ Example:
     [1, 1, 1, 1, 0, 1, 0]
     >>> tree.columns[1]  # prompt 1's tokens, in order
     [0, 1, 3]
+    >>> # 5 and 6 computed before, given as past columns 0 and 1: only 7, 8 and 9 run
+    >>> tree = token_tree([[5, 6, 7], [5, 6, 8], [9]], prefix_len=2, pad_id=0,
+    ...                   cached=[[0, 1], [0, 1], []], past_width=2)
+    >>> tree.input_ids.tolist(), tree.position_ids.tolist()
+    ([[7, 8, 9]], [[4, 4, 2]])
+    >>> tree.mask[0, 0, 1].int().tolist()  # node 8: the prefix, past 5 and 6, itself
+    [1, 1, 1, 1, 0, 1, 0]
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = ["TokenTree", "token_tree", "ROW_TOKENS"]
 
-# A row's attention costs its length times (prefix + length); past a few hundred nodes, more
-# rows cost less attention than the pad tokens that even out their lengths.
+# About the most nodes a row holds: a row's attention costs its length times (prefix + length), so
+# a large batch runs as several rows, of about equal length so that few pads even them out.
 ROW_TOKENS = 256
 
 
@@ -44,10 +53,12 @@ class TokenTree:
         input_ids: ``[rows, width]`` node tokens; pads (``pad_id``) fill short rows.
         position_ids: ``[rows, width]`` each node's position in its prompts (prefix length +
             depth); pads sit at the prefix length.
-        mask: ``[rows, 1, width, prefix_len + width]`` bool, True where a node may attend: the
-            shared prefix, its ancestors and itself (a pad: the prefix and itself).
+        mask: ``[rows, 1, width, prefix_len + past_width + width]`` bool, True where a node may
+            attend: the shared prefix, its cached ancestors, its ancestors in the row and itself
+            (a pad: the prefix and itself).
         last: ``[prompts, 2]`` the ``(row, column)`` of each prompt's last token.
-        columns: for each prompt, the columns of its suffix's tokens in its row, in order.
+        columns: for each prompt, the columns of its suffix's new (not cached) tokens in its
+            row, in order.
         nodes: the nodes computed (the tokens of all suffixes less what they share).
     """
 
@@ -65,30 +76,38 @@ class TokenTree:
 
 
 def token_tree(suffixes: Sequence[Sequence[int]], prefix_len: int, pad_id: int,
-               row_tokens: int = ROW_TOKENS) -> TokenTree:
-    """Packs ``suffixes`` (each at least one token) into a trie of at most about ``row_tokens``
-    nodes a row.
+               row_tokens: int = ROW_TOKENS, cached: Optional[Sequence[Sequence[int]]] = None,
+               past_width: int = 0) -> TokenTree:
+    """Packs ``suffixes`` (each at least one token) into a trie of rows of about equal length, as
+    few as hold the nodes at about ``row_tokens`` a row.
 
     Prompts are taken in sorted order so that those sharing a beginning share a row; a row is
-    closed when the next prompt's new nodes would take it past ``row_tokens`` (a prompt is never
-    split across rows).
+    closed once it holds its share of the nodes (a prompt is never split across rows), so the
+    pads that even out the rows' lengths stay few. ``cached[i]`` lists the past columns (``0 .. past_width - 1``) holding
+    prompt i's first ``len(cached[i])`` tokens, computed before; at least its last token is new.
     """
     if not suffixes or any(len(s) == 0 for s in suffixes):
         raise ValueError("every prompt needs at least one token after the shared prefix")
+    cached = cached if cached is not None else [()] * len(suffixes)
+    if any(len(c) >= len(s) for c, s in zip(cached, suffixes)):
+        raise ValueError("a prompt's last token cannot be cached: its logits are what is asked")
     order = sorted(range(len(suffixes)), key=lambda i: tuple(suffixes[i]))
     rows: List[Tuple[List[int], List[int], List[int]]] = []  # (tokens, depths, parents) per row
     columns: List[List[int]] = [[] for _ in suffixes]
     where: List[Tuple[int, int]] = [(0, 0)] * len(suffixes)
     index: Dict[Tuple[int, ...], int] = {}
+    firsts: List[Tuple[int, int, int]] = []  # each row's first new nodes (their cached ancestors are set below)
+    distinct = {tuple(s[:d + 1]) for s, c in zip(suffixes, cached) for d in range(len(c), len(s))}
+    share = -(-len(distinct) // -(-len(distinct) // max(row_tokens, 1)))  # nodes / rows, rounded up
     for i in order:
         suffix = tuple(suffixes[i])
-        new = len(suffix) - _known(index, suffix)
-        if not rows or (len(rows[-1][0]) + new > row_tokens and rows[-1][0]):
+        known = len(cached[i])
+        if not rows or len(rows[-1][0]) >= share:
             rows.append(([], [], []))
             index = {}
         tokens, depths, parents = rows[-1]
         parent = -1
-        for depth in range(len(suffix)):
+        for depth in range(known, len(suffix)):
             key = suffix[:depth + 1]
             col = index.get(key)
             if col is None:
@@ -96,16 +115,20 @@ def token_tree(suffixes: Sequence[Sequence[int]], prefix_len: int, pad_id: int,
                 tokens.append(suffix[depth])
                 depths.append(depth)
                 parents.append(parent)
+                if parent < 0:
+                    firsts.append((len(rows) - 1, col, i))
             columns[i].append(col)
             parent = col
         where[i] = (len(rows) - 1, parent)
     width = max(len(r[0]) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.full((len(rows), width), prefix_len, dtype=torch.long)
-    mask = torch.zeros((len(rows), 1, width, prefix_len + width), dtype=torch.bool)
+    mask = torch.zeros((len(rows), 1, width, prefix_len + past_width + width), dtype=torch.bool)
     mask[..., :prefix_len] = True
-    own = mask[:, 0, :, prefix_len:]  # [rows, width, width], a view
-    own[:, torch.arange(width), torch.arange(width)] = True
+    own = mask[:, 0, :, prefix_len:]  # [rows, width, past_width + width], a view
+    own[:, torch.arange(width), past_width + torch.arange(width)] = True
+    for r, col, i in firsts:  # a path's first new node sees the prompt's cached tokens
+        own[r, col, list(cached[i])] = True
     for r, (tokens, depths, parents) in enumerate(rows):
         n = len(tokens)
         input_ids[r, :n] = torch.tensor(tokens, dtype=torch.long)
@@ -116,11 +139,3 @@ def token_tree(suffixes: Sequence[Sequence[int]], prefix_len: int, pad_id: int,
     return TokenTree(input_ids=input_ids, position_ids=position_ids, mask=mask,
                      last=torch.tensor(where, dtype=torch.long), columns=columns,
                      nodes=sum(len(r[0]) for r in rows))
-
-
-def _known(index: Dict[Tuple[int, ...], int], suffix: Tuple[int, ...]) -> int:
-    """How many of ``suffix``'s leading tokens the row's trie already holds."""
-    n = 0
-    while n < len(suffix) and suffix[:n + 1] in index:
-        n += 1
-    return n

@@ -74,6 +74,7 @@ import time
 from typing import Iterator, List, Optional, Sequence
 
 from torchrl_oni.cli_errors import OneLineArgumentParser, fail
+from torchrl_oni.serve._node_cache import DEFAULT_NODE_CACHE_MB
 from torchrl_oni.serve.models import DEFAULT_MODEL, MODELS
 
 __all__ = ["main", "build_parser", "API_KEY_ENV"]
@@ -130,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "bf16 (AMX/AVX512-BF16), else float32; int8 = CTranslate2's int8 "
                              "kernels (converted once; the float path with a warning where it "
                              "cannot run)")
+    parser.add_argument("--node-cache-mb", type=_non_negative_float, default=DEFAULT_NODE_CACHE_MB, metavar="MB",
+                        help=f"memory for the keys and values of prompt tokens computed before, so a "
+                             f"caption whose beginning the embedded model has seen computes only the "
+                             f"rest (default {DEFAULT_NODE_CACHE_MB}; 0: off)")
     parser.add_argument("--max-tokens-cap", type=_positive_int, default=128,
                         help="most tokens generated per prompt by the embedded model (default 128)")
     parser.add_argument("--max-queue", type=_positive_int, default=None, metavar="N",
@@ -176,6 +181,16 @@ def _thread_count(text: str) -> int:
     value = _positive_int(text)
     if value > 1024:
         raise argparse.ArgumentTypeError(f"{value} threads: at most 1024")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a number >= 0")
     return value
 
 
@@ -364,7 +379,7 @@ def _serve_embedded(args, api_key: Optional[str], signals: _StopSignals) -> None
             loaded["handle"] = start_embedded_server(
                 args.model, backend=args.backend, host=args.host, port=args.port,
                 threads=args.threads, dtype=args.dtype, served_name=args.served_model_name,
-                max_tokens_cap=args.max_tokens_cap, api_key=api_key,
+                max_tokens_cap=args.max_tokens_cap, node_cache_mb=args.node_cache_mb, api_key=api_key,
                 insecure_no_auth=args.insecure_no_auth,
                 max_queue=args.max_queue or DEFAULT_MAX_QUEUE,
                 read_timeout=args.read_timeout or DEFAULT_READ_TIMEOUT,

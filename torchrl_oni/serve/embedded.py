@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from torchrl_oni.net import AppThread, check_exposure
+from torchrl_oni.serve._node_cache import DEFAULT_NODE_CACHE_MB
 from torchrl_oni.serve.engines import TransformersEngine, make_engine
 from torchrl_oni.serve.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_READ_TIMEOUT, OpenAIServer
 
@@ -100,6 +101,7 @@ def start_embedded_server(
     threads: Optional[int] = None,
     dtype: str = "auto",
     layout: str = "tree",
+    node_cache_mb: float = DEFAULT_NODE_CACHE_MB,
     served_name: Optional[str] = None,
     max_tokens_cap: int = 128,
     max_batch: int = 64,
@@ -123,6 +125,7 @@ def start_embedded_server(
             :mod:`torchrl_oni.serve._int8`; the float path with one warning where it cannot run).
         layout: how the float path runs a batch after its shared prefix, ``"tree"`` or
             ``"padded"`` (:class:`~torchrl_oni.serve.engines.TransformersEngine`).
+        node_cache_mb: the float path's memory for tokens computed in earlier batches (0: off).
         served_name: the name clients use (default: the model's name).
         max_tokens_cap: the most tokens generated per prompt.
         max_batch: the most prompts per forward pass.
@@ -146,7 +149,7 @@ def start_embedded_server(
     """
     check_exposure(host, api_key, insecure_no_auth)
     engine = make_engine(backend, model, dtype=dtype, threads=threads,
-                         max_tokens_cap=max_tokens_cap, layout=layout)
+                         max_tokens_cap=max_tokens_cap, layout=layout, node_cache_mb=node_cache_mb)
     if isinstance(engine, TransformersEngine):
         engine.max_batch = min(engine.max_batch, max_batch)
     server = OpenAIServer(engine, served_name=served_name, max_batch=max_batch, api_key=api_key,
@@ -156,7 +159,8 @@ def start_embedded_server(
 
 
 def start_embedded_process(model: Optional[str] = None, *, threads: Optional[int] = None,
-                           dtype: str = "auto", startup_timeout: float = 900.0,
+                           dtype: str = "auto", node_cache_mb: Optional[float] = None,
+                           startup_timeout: float = 900.0,
                            log_path: Optional[str] = None):
     """The embedded server in a child process of its own (``python -m torchrl_oni.serve``).
 
@@ -167,7 +171,8 @@ def start_embedded_process(model: Optional[str] = None, *, threads: Optional[int
 
     ``model`` is what :func:`start_embedded_server` takes; a packaged name or a hub id is served
     under that name, a local directory or GGUF file under its own name (its absolute path goes to
-    the child). ``threads`` and ``dtype`` are :func:`start_embedded_server`'s.
+    the child). ``threads``, ``dtype`` and ``node_cache_mb`` are :func:`start_embedded_server`'s (``None``:
+    its default).
 
     Returns:
         A started :class:`~torchrl_oni.serve.vllm.VLLMServer` with ``.url``, ``.model`` (the
@@ -189,7 +194,9 @@ def start_embedded_process(model: Optional[str] = None, *, threads: Optional[int
         name, served = str(spec.path), spec.name
     server = VLLMServer(name, port=0, served_model_name=served,
                         launcher=[sys.executable, "-m", "torchrl_oni.serve", "--backend", "embedded"],
-                        extra_args=(["--threads", str(threads)] if threads else []) + ["--dtype", dtype],
+                        extra_args=(["--threads", str(threads)] if threads else [])
+                        + ["--dtype", dtype]
+                        + ([] if node_cache_mb is None else ["--node-cache-mb", f"{node_cache_mb:g}"]),
                         startup_timeout=startup_timeout, log_path=log_path)
     server.model = served  # what clients send, as ServerHandle.model (the path is in .command)
     return server.start()

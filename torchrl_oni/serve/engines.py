@@ -9,7 +9,8 @@ returning one :class:`Completion` per prompt, and ``render_chat(messages)``; the
   pass, and every batch computes the prompts' shared token prefix (the template in front of the
   message) once, keeping it across requests in a small cache (measured ≈3× more captions/s).
   After that prefix, the prompts run as one token tree (:mod:`._token_tree`): no pad tokens, and
-  captions that begin alike share their common beginning.
+  captions that begin alike share their common beginning, within a batch and, through a bounded
+  cache of the tokens computed before (:mod:`._node_cache`), across batches.
 * :class:`ScriptedEngine` — no model: answers from NetHack keyword rules, in the answer format
   the prompt asks for. For tests and for measuring client overhead.
 
@@ -25,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._completion import (PROMPT_BYTES_PER_TOKEN, AliveFn, Completion, common_prefix_len, cut_at_stop, eos_ids,
                           prompt_ids, render_chat, shared_prefix_len)
+from ._node_cache import DEFAULT_NODE_CACHE_MB, NodeCache
 from ._token_tree import ROW_TOKENS, token_tree
 
 __all__ = [
@@ -205,14 +207,20 @@ class TransformersEngine:
             each distinct run of leading tokens once and no pad tokens; ``"padded"`` pads every
             prompt to the longest. A model that does not honour the tree's attention mask (checked
             at start) runs padded, with one warning.
+        node_cache_mb: memory for the keys and values of tokens computed in earlier batches
+            (the tree layout only; 0 turns it off): a caption whose beginning was computed
+            before computes only the rest.
 
     Attributes:
         max_context: the model's context in tokens (prompt plus generated tokens).
+        tokens_run: tokens the model has computed after the prompts' cached prefixes (pads and
+            generated tokens included): what a batch's layout and the node cache save.
         max_prompt_bytes: prompts longer than this (UTF-8 bytes) cannot fit the context in
             practice (:data:`PROMPT_BYTES_PER_TOKEN`); the server refuses them untokenised.
     """
 
-    def __init__(self, loaded, max_tokens_cap: int = 128, max_batch: int = 32, layout: str = "tree") -> None:
+    def __init__(self, loaded, max_tokens_cap: int = 128, max_batch: int = 32, layout: str = "tree",
+                 node_cache_mb: float = DEFAULT_NODE_CACHE_MB) -> None:
         import torch
 
         if layout not in LAYOUTS:
@@ -232,16 +240,30 @@ class TransformersEngine:
         if self.pad_id is None:
             self.pad_id = next(iter(eos)) if eos else 0
         self.prefix_cache = _PrefixCache()
+        self.tokens_run = 0
         self.row_tokens = ROW_TOKENS
         self.layout = "padded"
+        self.node_cache: Optional[NodeCache] = None
+        if node_cache_mb < 0:
+            raise ValueError(f"node_cache_mb must be >= 0, got {node_cache_mb}")
         if layout == "tree":
             problem = self._tree_problem()
             if problem is None:
                 self.layout = "tree"
+                capacity = int(node_cache_mb * 2 ** 20) // self._bytes_per_token()
+                self.node_cache = NodeCache(capacity) if capacity > 0 else None
             else:
                 warnings.warn(f"{self.model_name} does not honour a token tree's attention mask "
                               f"({problem}); its batches run padded, which costs more compute",
                               RuntimeWarning, stacklevel=3)
+
+    def _bytes_per_token(self) -> int:
+        """The keys and values one token leaves in the cache, all layers."""
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        itemsize = self.torch.empty(0, dtype=self.model.dtype).element_size()
+        return 2 * cfg.num_hidden_layers * heads * head_dim * itemsize
 
     def _tree_problem(self) -> Optional[str]:
         """None if a token tree scores :data:`_TREE_CHECK` as padded batches do, else how not
@@ -378,37 +400,104 @@ class TransformersEngine:
         cache = self._new_cache(kv, batch) if kv else None
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=keep_cache, logits_to_keep=1)
+        self.tokens_run += input_ids.numel()
         return out.logits[:, -1], out.past_key_values, mask, positions[:, -1]
 
-    def _first_tree(self, kv, plen: int, suffixes, keep_cache: bool):
+    def _first_tree(self, kv, plen: int, suffixes, keep_cache: bool, node: Optional[NodeCache] = None):
         """The first forward over the suffixes' token tree (:mod:`._token_tree`), with
         :meth:`_first_padded`'s return; for decoding, each prompt's keys and values are gathered
-        from its tree row into a right-padded cache."""
+        from its tree row into a right-padded cache. With ``node`` (the suffixes continue its
+        root, the prefix), tokens computed in earlier batches come from it and the new ones go
+        into it."""
         torch = self.torch
-        tree = token_tree(suffixes, plen, self.pad_id, self.row_tokens)
+        held = [node.walk(s, len(s) - 1) for s in suffixes] if node is not None else [[] for _ in suffixes]
+        used = sorted(set().union(*held))
+        past = len(used)
+        cached = None
+        if used:
+            col_of = {slot: i for i, slot in enumerate(used)}
+            cached = [[col_of[slot] for slot in slots] for slots in held]
+            kv = [(torch.cat([k, pk], dim=2), torch.cat([v, pv], dim=2))
+                  for (k, v), (pk, pv) in zip(kv, node.gather(used))]
+        tree = token_tree(suffixes, plen, self.pad_id, self.row_tokens, cached=cached, past_width=past)
         rows = tree.input_ids.shape[0]
         cache = self._new_cache(kv, rows) if kv else None
         # Only the columns where a prompt ends are projected onto the vocabulary.
         ends, end_of = torch.unique(tree.last[:, 1], return_inverse=True)
         out = self.model(input_ids=tree.input_ids, attention_mask=tree.mask,
                          position_ids=tree.position_ids, past_key_values=cache,
-                         use_cache=keep_cache, logits_to_keep=ends)
+                         use_cache=keep_cache or node is not None, logits_to_keep=ends)
+        self.tokens_run += tree.input_ids.numel()
         logits = out.logits[tree.last[:, 0], end_of]
+        if node is not None:
+            self._keep_nodes(node, tree, suffixes, held, out.past_key_values, plen + past)
         if not keep_cache:
             return logits, None, None, None
-        width = max(len(c) for c in tree.columns)
+        width = max(len(s) for s in suffixes)
         index = torch.zeros((len(suffixes), plen + width), dtype=torch.long)
         mask = torch.zeros((len(suffixes), plen + width), dtype=torch.long)
         index[:, :plen] = torch.arange(plen)
         mask[:, :plen] = 1
-        for b, cols in enumerate(tree.columns):
-            index[b, plen:plen + len(cols)] = plen + torch.tensor(cols, dtype=torch.long)
-            mask[b, plen:plen + len(cols)] = 1
+        for b, (cols, slots) in enumerate(zip(tree.columns, held)):
+            k = len(slots)
+            if k:
+                index[b, plen:plen + k] = plen + torch.tensor(cached[b], dtype=torch.long)
+            index[b, plen + k:plen + k + len(cols)] = plen + past + torch.tensor(cols, dtype=torch.long)
+            mask[b, plen:plen + k + len(cols)] = 1
         row_of = tree.last[:, 0, None]
         kv_rows = [(k[row_of, :, index].transpose(1, 2), v[row_of, :, index].transpose(1, 2))
                    for k, v in self._cache_tensors(out.past_key_values)]
-        last_pos = plen + torch.tensor([len(c) for c in tree.columns], dtype=torch.long) - 1
+        last_pos = plen + torch.tensor([len(s) for s in suffixes], dtype=torch.long) - 1
         return logits, self._new_cache(kv_rows, len(suffixes)), mask, last_pos
+
+    def _keep_nodes(self, node: NodeCache, tree, suffixes, held, model_cache, first_col: int) -> None:
+        """Stores the tree's new nodes in ``node``, but not the batch's common ending (the
+        template after the caption): those tokens follow each caption once."""
+        torch = self.torch
+        tail = 0
+        if len(suffixes) > 1:
+            shortest = min(len(s) for s in suffixes)
+            while tail < shortest - 1 and len({s[-1 - tail] for s in suffixes}) == 1:
+                tail += 1
+        found = {}  # (row, column) -> (depth, parent: ("slot", s) | ("node", (row, column)), token)
+        for suffix, cols, slots, row in zip(suffixes, tree.columns, held, tree.rows):
+            k = len(slots)
+            parent = ("slot", slots[-1] if slots else -1)
+            for j, col in enumerate(cols):
+                depth = k + j
+                if depth >= len(suffix) - tail:
+                    break
+                found.setdefault((row, col), (depth, parent, suffix[depth]))
+                parent = ("node", (row, col))
+        if not found:
+            node.store([], [])
+            return
+        order = sorted(found, key=lambda rc: found[rc][0])
+        number = {rc: j for j, rc in enumerate(order)}
+        nodes = []
+        for rc in order:
+            _, (kind, parent), token = found[rc]
+            nodes.append((parent if kind == "slot" else -2 - number[parent], int(token)))
+        rows_i = torch.tensor([rc[0] for rc in order], dtype=torch.long)
+        cols_i = first_col + torch.tensor([rc[1] for rc in order], dtype=torch.long)
+        kv = [(k[rows_i, :, cols_i].transpose(0, 1), v[rows_i, :, cols_i].transpose(0, 1))
+              for k, v in self._cache_tensors(model_cache)]
+        node.store(nodes, kv)
+
+    def _node_cache_for(self, ids_list, plen: int) -> Optional[NodeCache]:
+        """The node cache when every prompt continues its root (a batch of several prompts whose
+        shared prefix does not continue the root re-roots it there), else None."""
+        node = self.node_cache
+        if node is None:
+            return None
+        root = node.root
+        if len(ids_list) > 1 and plen > 0 and (root is None or plen < len(root)
+                                               or tuple(ids_list[0][:len(root)]) != root):
+            node.reset(ids_list[0][:plen])
+            root = node.root
+        if not root or any(len(ids) <= len(root) or tuple(ids[:len(root)]) != root for ids in ids_list):
+            return None
+        return node
 
     def _generate(self, ids_list, max_new, temperature, top_logprobs, stop,
                   alive: AliveFn) -> List[Completion]:
@@ -416,12 +505,18 @@ class TransformersEngine:
         batch = len(ids_list)
         # The shared prefix runs once; every row keeps at least one token of its own.
         plen = shared_prefix_len(ids_list)
+        node = self._node_cache_for(ids_list, plen)
+        if node is not None:
+            plen = len(node.root)  # the rest runs as the cache's nodes
         prefix = tuple(ids_list[0][:plen])
         with torch.inference_mode():
             kv = self._prefix_kv(prefix, shared=batch > 1) if plen > 0 else None
             suffixes = [ids[plen:] for ids in ids_list]
-            first = self._first_tree if self.layout == "tree" else self._first_padded
-            logits, cache, mask, last_pos = first(kv, plen, suffixes, keep_cache=max_new > 1)
+            if self.layout == "tree":
+                logits, cache, mask, last_pos = self._first_tree(kv, plen, suffixes, keep_cache=max_new > 1,
+                                                                 node=node)
+            else:
+                logits, cache, mask, last_pos = self._first_padded(kv, plen, suffixes, keep_cache=max_new > 1)
             gen: List[List[int]] = [[] for _ in range(batch)]
             gen_lp: List[List[float]] = [[] for _ in range(batch)]
             gen_top: List[List[List[Tuple[str, float]]]] = [[] for _ in range(batch)]
@@ -467,6 +562,7 @@ class TransformersEngine:
                 out = self.model(input_ids=chosen[:, None], attention_mask=mask,
                                  position_ids=last_pos[:, None], past_key_values=cache,
                                  use_cache=True, logits_to_keep=1)
+                self.tokens_run += batch
                 cache, logits = out.past_key_values, out.logits[:, -1]
         results = []
         for row in range(batch):
@@ -484,12 +580,13 @@ class TransformersEngine:
 
 
 def make_engine(backend: str = "embedded", model: Optional[str] = None, *, dtype: str = "auto",
-                threads: Optional[int] = None, max_tokens_cap: int = 128, layout: str = "tree"):
+                threads: Optional[int] = None, max_tokens_cap: int = 128, layout: str = "tree",
+                node_cache_mb: float = DEFAULT_NODE_CACHE_MB):
     """Builds the engine for ``backend`` (``"embedded"`` or ``"scripted"``).
 
     ``dtype`` is ``"auto"``, ``"bfloat16"`` or ``"float32"`` (transformers), or ``"int8"``
     (CTranslate2, :mod:`torchrl_oni.serve._int8`; the float path with one warning where it
-    cannot run). ``layout`` is the float path's (:class:`TransformersEngine`).
+    cannot run). ``layout`` and ``node_cache_mb`` are the float path's (:class:`TransformersEngine`).
     """
     if backend == "scripted":
         return ScriptedEngine()
@@ -507,4 +604,4 @@ def make_engine(backend: str = "embedded", model: Optional[str] = None, *, dtype
             return engine
         warnings.warn(f"the int8 judge cannot run here: {reason}; serving {loaded.spec.name} in "
                       f"{loaded.dtype} instead", RuntimeWarning, stacklevel=2)
-    return TransformersEngine(loaded, max_tokens_cap=max_tokens_cap, layout=layout)
+    return TransformersEngine(loaded, max_tokens_cap=max_tokens_cap, layout=layout, node_cache_mb=node_cache_mb)

@@ -203,6 +203,9 @@ class AnnotationConfig:
     embedded_dtype: Literal["auto", "bfloat16", "float32", "int8"] = setting(
         "auto", "number format of the embedded CPU model: auto (bfloat16 where the CPU has it, else float32), "
         "or int8 (CTranslate2; the float path with a warning where it cannot run)")
+    embedded_node_cache_mb: Optional[float] = setting(
+        None, "MB of the embedded CPU model's cache of prompt tokens computed before, so a caption whose beginning "
+        "it has seen computes only the rest (none: oni-serve's default; 0: off)", at_least=0)
     goal: str = setting("default", "what counts as progress for the annotator and the goal-based rewards",
                         choices=GOALS)
     caption_store: Optional[str] = setting(None, "caption/label store, loaded if it exists and saved at "
