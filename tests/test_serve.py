@@ -287,6 +287,29 @@ def test_prefix_cached_batch_matches_plain_forward(model_server):
         assert b.tokens == s.tokens
 
 
+@pytest.mark.parametrize("name", sorted(__import__("torchrl_oni.serve.models", fromlist=["MODELS"]).MODELS))
+def test_the_packaged_judges_answer_onis_short_prompt_with_the_label_first(name):
+    """Why oni-train asks the packaged judges for one token (``answer_tokens``): their first token
+    is the label, so a second changes no score."""
+    _need_model()
+    if not is_installed(name):
+        pytest.skip(f"model package missing: {resolve_model(name).pip_install}")
+    from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS
+    from torchrl_oni.annotators.prompts import render_text, short_messages
+    from torchrl_oni.serve.engines import make_engine
+    from torchrl_oni.train.annotator_types import answer_tokens
+
+    engine = make_engine("embedded", name, dtype="float32", threads=1)
+    prompts = [render_text(short_messages(m)) for m in [*NOT_PROGRESS, *PROGRESS["default"], *POSITIVE, *NEGATIVE]]
+    two = engine.complete(prompts, max_tokens=2, top_logprobs=5, stop=["\n"])
+    one = engine.complete(prompts, max_tokens=1, top_logprobs=5)
+    for a, b in zip(two, one):
+        assert a.tokens[0].strip() in ("yes", "no") and a.tokens[0] == b.tokens[0], (a.tokens, b.tokens)
+        assert a.top_logprobs[0] == [(t, pytest.approx(v, abs=1e-3)) for t, v in b.top_logprobs[0]]
+    assert answer_tokens("short", name) == 1
+    assert answer_tokens("tagged", name) is None and answer_tokens("short", "my-judge") is None
+
+
 def test_model_server_openai_client(model_server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=model_server.url, api_key="EMPTY", max_retries=0)

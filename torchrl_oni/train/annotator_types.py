@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ..registry import Registry
 
@@ -114,13 +114,25 @@ def start_llm(ann):
     name, threads = ann.llm_model or DEFAULT_MODEL, ann.embedded_threads or 1
     if ann.embedded_server == "process":
         log.info("starting the embedded LLM %s (a minute or two the first time) ...", name)
-        server = start_embedded_process(name, threads=threads, dtype=ann.embedded_dtype)
+        server = start_embedded_process(name, threads=threads, dtype=ann.embedded_dtype,
+                                        node_cache_mb=ann.embedded_node_cache_mb)
     else:
-        server = start_embedded_server(model=name, threads=threads, dtype=ann.embedded_dtype)
+        cache = {} if ann.embedded_node_cache_mb is None else {"node_cache_mb": ann.embedded_node_cache_mb}
+        server = start_embedded_server(model=name, threads=threads, dtype=ann.embedded_dtype, **cache)
     return LLMEndpoint((server.url,), server.model), server
 
 
 # ---------------------------------------------------------------------- the built-in annotators
+def answer_tokens(prompt: str, embedded_model: Optional[str]) -> Optional[int]:
+    """Tokens asked per caption: 1 for the short prompt on one of the packaged embedded judges, else
+    None (the annotator's default: 2 for the short prompt, where a model may open its answer with a
+    space or a newline). The packaged judges' first token is the label (``tests/test_serve.py``),
+    so a second token costs a model step and changes no score."""
+    from ..serve.models import MODELS
+
+    return 1 if prompt == "short" and embedded_model in MODELS else None
+
+
 def _build_llm(ann, *, seed: int = 0):
     from ..annotators import OpenAIAnnotator
 
@@ -133,6 +145,7 @@ def _build_llm(ann, *, seed: int = 0):
             list(endpoint.urls), endpoint.model, goal=ann.goal, prompt=prompt, use_logprobs=small,
             ranking="scores" if small else "direct", batch_size=ann.llm_batch_size,
             max_concurrency=ann.llm_concurrency, timeout_s=ann.llm_timeout, api_key=ann.llm_api_key,
+            max_tokens=answer_tokens(prompt, endpoint.model if server is not None else None),
         )
         _check_llm(annotator)
     except BaseException:
