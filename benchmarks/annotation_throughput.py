@@ -117,8 +117,10 @@ def _session() -> aiohttp.ClientSession:
 MAX_TOKENS = {"n": 1}
 
 
-async def _score(session, url: str, model: str, messages: Sequence[str]) -> List[Optional[float]]:
-    body = {"model": model, "prompt": [short_prompt(m) for m in messages], "max_tokens": MAX_TOKENS["n"],
+async def _score(session, url: str, model: str, messages: Sequence[str],
+                 max_tokens: Optional[int] = None) -> List[Optional[float]]:
+    body = {"model": model, "prompt": [short_prompt(m) for m in messages],
+            "max_tokens": MAX_TOKENS["n"] if max_tokens is None else max_tokens,
             "logprobs": 5, "temperature": 0}
     async with session.post(url + "/completions", json=body) as resp:
         out = await resp.json()
@@ -129,19 +131,22 @@ async def _score(session, url: str, model: str, messages: Sequence[str]) -> List
 
 
 async def _throughput(url: str, model: str, batch: int, seconds: float,
-                      messages: Optional[Sequence[str]] = None) -> Tuple[float, int]:
+                      messages: Optional[Sequence[str]] = None, cycle: bool = True) -> Tuple[float, int]:
     """Captions/s with one request of ``batch`` prompts in flight at a time, cycling through
-    ``messages`` (default: the hand-labelled ones)."""
+    ``messages`` (default: the hand-labelled ones); ``cycle=False``: each message once at most
+    (a stream of new captions), stopping early when they run out."""
     messages = list(messages) if messages else [m for m, _ in LABELLED]
     done, i = 0, 0
     async with _session() as session:
-        await _score(session, url, model, messages[:1])  # warm-up (prefix cache, threads)
+        await _score(session, url, model, [LABELLED[0][0]])  # warm-up (prefix cache, threads)
         start = time.perf_counter()
         while True:
-            chunk = [messages[(i + k) % len(messages)] for k in range(batch)]
-            i += batch
+            if not cycle and i >= len(messages):
+                return done / (time.perf_counter() - start), done
+            chunk = [messages[(i + k) % len(messages)] for k in range(batch if cycle else min(batch, len(messages) - i))]
+            i += len(chunk)
             await _score(session, url, model, chunk)
-            done += batch
+            done += len(chunk)
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 return done / elapsed, done
@@ -254,33 +259,88 @@ def real_captions(n: int, seed: int = 0) -> List[str]:
     return random.Random(seed).sample([r["caption"] for r in rows], min(n, len(rows)))
 
 
+async def _alternating_stream(servers: dict, batch: int, seconds: float, rounds: int, captions: Sequence[str],
+                              max_tokens: Dict[str, int]) -> Tuple[Dict[str, list], int, Dict[str, float]]:
+    """Each request of ``batch`` new captions goes to every server in turn (who goes first
+    alternates), so a machine's drift falls on both alike; stops after ``seconds`` or when the
+    captions run out. Returns the captions/s of each ``rounds``-th of the time per server, the
+    captions scored (by each) and each server's captions/s over the whole stream."""
+    roles = list(servers)
+    spent = {role: [0.0] * rounds for role in roles}
+    done = {role: [0] * rounds for role in roles}
+    at = 0
+    async with _session() as session:
+        for srv in servers.values():
+            await _score(session, srv.url, srv.model, [LABELLED[0][0]])  # warm-up (prefix cache, threads)
+        start = time.perf_counter()
+        while at < len(captions):
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+            part = min(int(elapsed / seconds * rounds), rounds - 1)
+            chunk = list(captions[at:at + batch])
+            for role in (roles if (at // batch) % 2 == 0 else roles[::-1]):
+                t0 = time.perf_counter()
+                await _score(session, servers[role].url, servers[role].model, chunk, max_tokens[role])
+                spent[role][part] += time.perf_counter() - t0
+                done[role][part] += len(chunk)
+            at += len(chunk)
+    rates = {role: [round(n / s, 2) if s else 0.0 for n, s in zip(done[role], spent[role])] for role in roles}
+    total = {role: sum(done[role]) / max(sum(spent[role]), 1e-9) for role in roles}
+    return rates, at, total
+
+
+def stream_captions(exclude: Sequence[str], seed: int = 2) -> List[str]:
+    """The shipped labels file's captions less ``exclude``, shuffled: a stream of captions a judge
+    has not seen (each is scored once, as in training, where the store asks about a caption once)."""
+    import gzip
+
+    with gzip.open(SHIPPED_LABELS, "rt") as f:
+        rows = [json.loads(line) for line in f][1:]
+    skip = set(exclude)
+    out = [r["caption"] for r in rows if r["caption"] not in skip]
+    random.Random(seed).shuffle(out)
+    return out
+
+
 def compare_paths(args) -> int:
-    """The reference path (``--dtype``, ``--layout``) against the candidate (``--compare-dtype``,
-    ``--compare-layout``) in one run: speed, agreement, AUC, and the agreement of the reference
-    with itself when only the batches' make-up changes (its rounding floor)."""
+    """The reference path (``--dtype``, ``--layout``, ``--node-cache-mb``) against the candidate
+    (``--compare-dtype``, ``--compare-layout``, ``--compare-node-cache-mb``) in one run: speed,
+    agreement, AUC, and the agreement of the reference with itself when only the batches' make-up
+    changes (its rounding floor)."""
     from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS
     from torchrl_oni.serve.embedded import start_embedded_server
 
     sets = {"hand_labelled": [m for m, _ in LABELLED],
             "judge_probe": list(dict.fromkeys([*NOT_PROGRESS, *PROGRESS["default"]])),
             "real_captions": real_captions(args.real_captions)}
-    paths = {"reference": (args.dtype, args.layout),
-             "candidate": (args.compare_dtype or args.dtype, args.compare_layout or args.layout)}
+    mb = {} if args.node_cache_mb is None else {"node_cache_mb": args.node_cache_mb}
+    compare_mb = mb if args.compare_node_cache_mb is None else {"node_cache_mb": args.compare_node_cache_mb}
+    paths = {"reference": (args.dtype, args.layout, mb),
+             "candidate": (args.compare_dtype or args.dtype, args.compare_layout or args.layout, compare_mb)}
     sets = {name: msgs for name, msgs in sets.items() if msgs}  # --real-captions 0: two sets
-    if args.throughput_captions not in sets:
+    stream = args.throughput_captions == "stream"
+    if stream:
+        if not SHIPPED_LABELS.is_file():
+            raise ValueError(f"no captions to stream: {SHIPPED_LABELS} is missing")
+        throughput_set = stream_captions(exclude=[m for msgs in sets.values() for m in msgs])
+    elif args.throughput_captions not in sets:
         raise ValueError(f"no real captions to score: {SHIPPED_LABELS} is missing")
-    throughput_set = sets[args.throughput_captions]
+    else:
+        throughput_set = sets[args.throughput_captions]
     servers, result = {}, {"model": None, "threads": args.threads, "batch": args.compare_batch,
                            "max_tokens": MAX_TOKENS["n"], "throughput_captions": args.throughput_captions}
     try:
-        for role, (dtype, layout) in paths.items():
+        for role, (dtype, layout, cache_mb) in paths.items():
             t0 = time.perf_counter()
             servers[role] = start_embedded_server(args.model, port=0, threads=args.threads, dtype=dtype,
-                                                  layout=layout)
+                                                  layout=layout, **cache_mb)
             engine = servers[role].server.engine
             result[f"{role}_engine"] = type(engine).__name__
             result[f"{role}_dtype"] = getattr(getattr(engine, "loaded", None), "dtype", dtype)
             result[f"{role}_layout"] = getattr(engine, "layout", "-")
+            node = getattr(engine, "node_cache", None)
+            result[f"{role}_node_cache_tokens"] = node.capacity if node is not None else 0
             result[f"{role}_startup_s"] = round(time.perf_counter() - t0, 1)
             result["model"] = servers[role].model
 
@@ -320,16 +380,33 @@ def compare_paths(args) -> int:
                 agree_all, total, floor_all = agree_all + same, total + len(pairs), floor_all + itself
         result["agreement_vs_reference"] = round(agree_all / max(total, 1), 4)
         result["reference_self_agreement"] = round(floor_all / max(total, 1), 4)
-        rates = {role: [] for role in paths}
-        for _ in range(args.rounds):
-            for role, srv in servers.items():
-                rate, _ = asyncio.run(_throughput(srv.url, srv.model, args.compare_batch,
-                                                  args.seconds / (2 * args.rounds), throughput_set))
-                rates[role].append(round(rate, 2))
-        for role in paths:
+        tokens_before = {role: getattr(srv.server.engine, "tokens_run", None) for role, srv in servers.items()}
+        if stream:
+            asked = {"reference": MAX_TOKENS["n"], "candidate": args.compare_max_tokens or MAX_TOKENS["n"]}
+            result["candidate_max_tokens"] = asked["candidate"]
+            rates, scored, total = asyncio.run(_alternating_stream(servers, args.compare_batch, args.seconds,
+                                                                   args.rounds, throughput_set, asked))
+            result["stream_captions_scored"] = scored
+            if scored >= len(throughput_set):
+                print(f"warning: the stream of {len(throughput_set)} captions ran out; use fewer --seconds",
+                      file=sys.stderr)
+        else:
+            rates = {role: [] for role in paths}
+            for _ in range(args.rounds):
+                for role, srv in servers.items():
+                    rate, _ = asyncio.run(_throughput(srv.url, srv.model, args.compare_batch,
+                                                      args.seconds / (2 * args.rounds), throughput_set))
+                    rates[role].append(round(rate, 2))
+            total = {role: sorted(r)[len(r) // 2] for role, r in rates.items()}  # the median round
+        for role, srv in servers.items():
             result[f"{role}_captions_per_s"] = rates[role]
-        med = {role: sorted(r)[len(r) // 2] for role, r in rates.items()}
-        result["speedup_vs_reference"] = round(med["candidate"] / med["reference"], 3)
+            node = getattr(srv.server.engine, "node_cache", None)
+            if node is not None:
+                result[f"{role}_node_cache_hits"] = node.hits
+            if stream and tokens_before[role] is not None:
+                result[f"{role}_tokens_per_caption"] = round((srv.server.engine.tokens_run - tokens_before[role])
+                                                             / max(scored, 1), 2)
+        result["speedup_vs_reference"] = round(total["candidate"] / total["reference"], 3)
         result["auc_change"] = round(result["candidate_auc"] - result["reference_auc"], 4)
     finally:
         for srv in servers.values():
@@ -337,11 +414,17 @@ def compare_paths(args) -> int:
     print(f"{result['model']}, {args.threads} threads, {args.compare_batch} prompts per request "
           f"({args.throughput_captions.replace('_', ' ')}, {MAX_TOKENS['n']} tokens asked), "
           f"{args.rounds} alternating rounds")
-    print(f"{'path':<11} {'engine':<20} {'dtype':<9} {'layout':<7} {'captions/s (rounds)':<28} {'AUC':>6}")
+    print(f"{'path':<11} {'engine':<20} {'dtype':<9} {'layout':<7} {'node cache':>10} "
+          f"{'captions/s (rounds)':<28} {'AUC':>6}")
     for role in paths:
         print(f"{role:<11} {result[role + '_engine']:<20} {result[role + '_dtype']:<9} {result[role + '_layout']:<7} "
+              f"{result[role + '_node_cache_tokens']:>10} "
               f"{', '.join(map(str, result[role + '_captions_per_s'])):<28} {result[role + '_auc']:>6.3f}")
-    print(f"speedup (medians) {result['speedup_vs_reference']:.2f}x; same label on "
+    if stream:
+        print(f"a stream of {result['stream_captions_scored']} new captions, each request to both paths in turn; "
+              "tokens run per caption: " + ", ".join(f"{role} {result.get(role + '_tokens_per_caption', '-')}"
+                                                    for role in paths))
+    print(f"speedup ({'whole stream' if stream else 'medians'}) {result['speedup_vs_reference']:.2f}x; same label on "
           + ", ".join(f"{result['agreement_' + n]:.1%} of {result['n_' + n]} {n.replace('_', ' ')}" for n in sets))
     print("the reference against itself, the same captions in other batches: "
           + ", ".join(f"{result['reference_self_agreement_' + n]:.1%}" for n in sets))
@@ -364,9 +447,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="how the float path runs a batch after its shared prefix (the engine's)")
     parser.add_argument("--compare-layout", default=None, choices=("tree", "padded"),
                         help="like --compare-dtype, for the layout (the two may be combined)")
-    parser.add_argument("--throughput-captions", default="hand_labelled", choices=("hand_labelled", "real_captions"),
+    parser.add_argument("--node-cache-mb", type=float, default=None,
+                        help="the embedded engine's cache of tokens computed before (default: oni-serve's; 0: off)")
+    parser.add_argument("--compare-node-cache-mb", type=float, default=None,
+                        help="like --compare-dtype, for --node-cache-mb")
+    parser.add_argument("--throughput-captions", default="hand_labelled",
+                        choices=("hand_labelled", "real_captions", "stream"),
                         help="with a comparison: the captions the throughput rounds score")
     parser.add_argument("--max-tokens", type=int, default=1, help="tokens asked per caption")
+    parser.add_argument("--compare-max-tokens", type=int, default=None,
+                        help="with --throughput-captions stream: the candidate's tokens asked (default --max-tokens)")
     parser.add_argument("--rounds", type=int, default=3, help="with --compare-dtype: rounds per path")
     parser.add_argument("--compare-batch", type=int, default=32,
                         help="with --compare-dtype: prompts per request")
@@ -408,7 +498,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torchrl_oni.serve.embedded import start_embedded_server
     from torchrl_oni.serve.models import ModelNotInstalledError
 
-    if args.compare_dtype or args.compare_layout:
+    if args.compare_dtype or args.compare_layout or args.compare_node_cache_mb is not None:
         try:
             return compare_paths(args)
         except (ValueError, ModelNotInstalledError) as err:
