@@ -131,22 +131,19 @@ async def _score(session, url: str, model: str, messages: Sequence[str],
 
 
 async def _throughput(url: str, model: str, batch: int, seconds: float,
-                      messages: Optional[Sequence[str]] = None, cycle: bool = True) -> Tuple[float, int]:
+                      messages: Optional[Sequence[str]] = None) -> Tuple[float, int]:
     """Captions/s with one request of ``batch`` prompts in flight at a time, cycling through
-    ``messages`` (default: the hand-labelled ones); ``cycle=False``: each message once at most
-    (a stream of new captions), stopping early when they run out."""
+    ``messages`` (default: the hand-labelled ones)."""
     messages = list(messages) if messages else [m for m, _ in LABELLED]
     done, i = 0, 0
     async with _session() as session:
-        await _score(session, url, model, [LABELLED[0][0]])  # warm-up (prefix cache, threads)
+        await _score(session, url, model, messages[:1])  # warm-up (prefix cache, threads)
         start = time.perf_counter()
         while True:
-            if not cycle and i >= len(messages):
-                return done / (time.perf_counter() - start), done
-            chunk = [messages[(i + k) % len(messages)] for k in range(batch if cycle else min(batch, len(messages) - i))]
-            i += len(chunk)
+            chunk = [messages[(i + k) % len(messages)] for k in range(batch)]
+            i += batch
             await _score(session, url, model, chunk)
-            done += len(chunk)
+            done += batch
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 return done / elapsed, done
@@ -314,9 +311,8 @@ def compare_paths(args) -> int:
     sets = {"hand_labelled": [m for m, _ in LABELLED],
             "judge_probe": list(dict.fromkeys([*NOT_PROGRESS, *PROGRESS["default"]])),
             "real_captions": real_captions(args.real_captions)}
-    mb = {} if args.node_cache_mb is None else {"node_cache_mb": args.node_cache_mb}
-    compare_mb = mb if args.compare_node_cache_mb is None else {"node_cache_mb": args.compare_node_cache_mb}
-    paths = {"reference": (args.dtype, args.layout, mb),
+    compare_mb = args.node_cache_mb if args.compare_node_cache_mb is None else args.compare_node_cache_mb
+    paths = {"reference": (args.dtype, args.layout, args.node_cache_mb),
              "candidate": (args.compare_dtype or args.dtype, args.compare_layout or args.layout, compare_mb)}
     sets = {name: msgs for name, msgs in sets.items() if msgs}  # --real-captions 0: two sets
     stream = args.throughput_captions == "stream"
@@ -334,7 +330,7 @@ def compare_paths(args) -> int:
         for role, (dtype, layout, cache_mb) in paths.items():
             t0 = time.perf_counter()
             servers[role] = start_embedded_server(args.model, port=0, threads=args.threads, dtype=dtype,
-                                                  layout=layout, **cache_mb)
+                                                  layout=layout, node_cache_mb=cache_mb)
             engine = servers[role].server.engine
             result[f"{role}_engine"] = type(engine).__name__
             result[f"{role}_dtype"] = getattr(getattr(engine, "loaded", None), "dtype", dtype)
@@ -528,7 +524,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         t0 = time.perf_counter()
         try:
             srv = start_embedded_server(args.model, port=0, threads=args.threads, dtype=args.dtype,
-                                        layout=args.layout)
+                                        layout=args.layout, node_cache_mb=args.node_cache_mb)
         except (ValueError, ModelNotInstalledError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -101,7 +101,7 @@ def start_embedded_server(
     threads: Optional[int] = None,
     dtype: str = "auto",
     layout: str = "tree",
-    node_cache_mb: float = DEFAULT_NODE_CACHE_MB,
+    node_cache_mb: Optional[float] = None,
     served_name: Optional[str] = None,
     max_tokens_cap: int = 128,
     max_batch: int = 64,
@@ -125,7 +125,8 @@ def start_embedded_server(
             :mod:`torchrl_oni.serve._int8`; the float path with one warning where it cannot run).
         layout: how the float path runs a batch after its shared prefix, ``"tree"`` or
             ``"padded"`` (:class:`~torchrl_oni.serve.engines.TransformersEngine`).
-        node_cache_mb: the float path's memory for tokens computed in earlier batches (0: off).
+        node_cache_mb: the float path's memory for tokens computed in earlier batches (0: off;
+            ``None``: :data:`~torchrl_oni.serve._node_cache.DEFAULT_NODE_CACHE_MB`).
         served_name: the name clients use (default: the model's name).
         max_tokens_cap: the most tokens generated per prompt.
         max_batch: the most prompts per forward pass.
@@ -149,7 +150,8 @@ def start_embedded_server(
     """
     check_exposure(host, api_key, insecure_no_auth)
     engine = make_engine(backend, model, dtype=dtype, threads=threads,
-                         max_tokens_cap=max_tokens_cap, layout=layout, node_cache_mb=node_cache_mb)
+                         max_tokens_cap=max_tokens_cap, layout=layout,
+                         node_cache_mb=DEFAULT_NODE_CACHE_MB if node_cache_mb is None else node_cache_mb)
     if isinstance(engine, TransformersEngine):
         engine.max_batch = min(engine.max_batch, max_batch)
     server = OpenAIServer(engine, served_name=served_name, max_batch=max_batch, api_key=api_key,
@@ -171,8 +173,7 @@ def start_embedded_process(model: Optional[str] = None, *, threads: Optional[int
 
     ``model`` is what :func:`start_embedded_server` takes; a packaged name or a hub id is served
     under that name, a local directory or GGUF file under its own name (its absolute path goes to
-    the child). ``threads``, ``dtype`` and ``node_cache_mb`` are :func:`start_embedded_server`'s (``None``:
-    its default).
+    the child). ``threads``, ``dtype`` and ``node_cache_mb`` are :func:`start_embedded_server`'s.
 
     Returns:
         A started :class:`~torchrl_oni.serve.vllm.VLLMServer` with ``.url``, ``.model`` (the

@@ -117,8 +117,8 @@ def start_llm(ann):
         server = start_embedded_process(name, threads=threads, dtype=ann.embedded_dtype,
                                         node_cache_mb=ann.embedded_node_cache_mb)
     else:
-        cache = {} if ann.embedded_node_cache_mb is None else {"node_cache_mb": ann.embedded_node_cache_mb}
-        server = start_embedded_server(model=name, threads=threads, dtype=ann.embedded_dtype, **cache)
+        server = start_embedded_server(model=name, threads=threads, dtype=ann.embedded_dtype,
+                                       node_cache_mb=ann.embedded_node_cache_mb)
     return LLMEndpoint((server.url,), server.model), server
 
 
