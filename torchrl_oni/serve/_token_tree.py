@@ -33,6 +33,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -83,8 +84,9 @@ def token_tree(suffixes: Sequence[Sequence[int]], prefix_len: int, pad_id: int,
 
     Prompts are taken in sorted order so that those sharing a beginning share a row; a row is
     closed once it holds its share of the nodes (a prompt is never split across rows), so the
-    pads that even out the rows' lengths stay few. ``cached[i]`` lists the past columns (``0 .. past_width - 1``) holding
-    prompt i's first ``len(cached[i])`` tokens, computed before; at least its last token is new.
+    pads that even out the rows' lengths stay few. ``cached[i]`` lists the past columns
+    (``0 .. past_width - 1``) holding prompt i's first ``len(cached[i])`` tokens, computed
+    before; at least its last token is new.
     """
     if not suffixes or any(len(s) == 0 for s in suffixes):
         raise ValueError("every prompt needs at least one token after the shared prefix")
@@ -97,8 +99,8 @@ def token_tree(suffixes: Sequence[Sequence[int]], prefix_len: int, pad_id: int,
     where: List[Tuple[int, int]] = [(0, 0)] * len(suffixes)
     index: Dict[Tuple[int, ...], int] = {}
     firsts: List[Tuple[int, int, int]] = []  # each row's first new nodes (their cached ancestors are set below)
-    distinct = {tuple(s[:d + 1]) for s, c in zip(suffixes, cached) for d in range(len(c), len(s))}
-    share = -(-len(distinct) // -(-len(distinct) // max(row_tokens, 1)))  # nodes / rows, rounded up
+    nodes = len({tuple(s[:d + 1]) for s, c in zip(suffixes, cached) for d in range(len(c), len(s))})
+    share = math.ceil(nodes / math.ceil(nodes / max(row_tokens, 1)))  # each row's share of the nodes
     for i in order:
         suffix = tuple(suffixes[i])
         known = len(cached[i])

@@ -184,24 +184,22 @@ def _thread_count(text: str) -> int:
     return value
 
 
-def _non_negative_float(text: str) -> float:
+def _finite_float(text: str, zero_allowed: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} must be a number >= 0")
+    if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
+        raise argparse.ArgumentTypeError(f"{text} must be " + ("a number >= 0" if zero_allowed else "a positive number"))
     return value
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
-    return value
+    return _finite_float(text, zero_allowed=False)
+
+
+def _non_negative_float(text: str) -> float:
+    return _finite_float(text, zero_allowed=True)
 
 
 def _host_arg(text: str) -> str:
