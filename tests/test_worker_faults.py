@@ -41,9 +41,14 @@ class _KillWorker(TrainHook):
 
     def after_update(self, trainer):
         if trainer.iterations in self.at:
-            proc = trainer.workers.collector.procs[1]
-            proc.kill()
-            proc.join(10)
+            pid = trainer.workers.collector.procs[1].pid
+            os.kill(pid, signal.SIGKILL)
+            # Waits on /proc, not proc.join(): with --prefetch-batches the collector's thread polls
+            # the same forkserver process, and two threads polling it race (the loser reads exit
+            # code 255 in place of -9).
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.01)
             self.killed += 1
 
 
