@@ -307,7 +307,7 @@ def _number_cases():
         "oni-plot": (["{run}", "-o", "{tmp}/n.png"], ["--smooth"]),
         "oni-label": (["--store", "{captions.pt}"], ["--port", "--save-every"]),
         "oni-serve": ([], ["--port", "--threads", "--max-tokens-cap", "--max-queue", "--read-timeout",
-                           "--max-body-mb", "--startup-timeout"]),
+                           "--max-body-mb", "--startup-timeout", "--node-cache-mb"]),
         "oni-collect-pairs": (["{messages.txt}", "--out", "{tmp}/p.npz", "--num-pairs", "2"],
                               ["--num-pairs", "--seed"]),
         "oni-annotate-pairs": (["{pairs.npz}", "--out", "{tmp}/a.npz", "--annotator", ANN],
@@ -316,7 +316,7 @@ def _number_cases():
                              ["--epochs", "--batch-size", "--lr", "--val-fraction", "--seed"]),
         "oni-train": ([], ["--frames", "--workers", "--envs-per-worker", "--rollout", "--lr", "--seed",
                            "--minibatch-size", "--max-episode-steps", "--checkpoint-every", "--rm-lr",
-                           "--llm-batch-size", "--feedback-port"]),
+                           "--llm-batch-size", "--feedback-port", "--embedded-node-cache-mb"]),
     }
     # values that are valid for some flags (the command would run): left out per flag
     valid = {
@@ -331,10 +331,11 @@ def _number_cases():
         ("oni-annotate-pairs", "--llm-concurrency"): {"100000000000"},
         ("oni-label", "--save-every"): {"0"},
         ("oni-serve", "--startup-timeout"): {"100000000000"}, ("oni-serve", "--read-timeout"): {"100000000000"},
-        ("oni-serve", "--max-body-mb"): {"100000000000"},
+        ("oni-serve", "--max-body-mb"): {"100000000000"}, ("oni-serve", "--node-cache-mb"): {"0", "100000000000"},
         ("oni-replay", "--max-mb"): {"100000000000"}, ("oni-plot", "--smooth"): {"100000000000"},
         ("oni-serve", "--max-queue"): {"100000000000"}, ("oni-serve", "--max-tokens-cap"): {"100000000000"},
         ("oni-train", "--max-episode-steps"): {"100000000000"},
+        ("oni-train", "--embedded-node-cache-mb"): {"0", "100000000000", ""},  # "": none, the default
     }
     out = []
     for key, (base, names) in flags.items():

@@ -567,6 +567,7 @@ def _one_error_line(proc):
     (["--backend", "scripted", "--read-timeout", "nan"], {}, "positive"),
     (["--backend", "scripted", "--max-queue", "0"], {}, "at least 1"),
     (["--backend", "scripted", "--max-body-mb", "-1"], {}, "positive"),
+    (["--backend", "scripted", "--node-cache-mb", "-1"], {}, "--node-cache-mb: -1 must be a number >= 0"),
     (["--startup-timeout", "inf"], {}, "positive"),
     (["--backend", "vllm", "--model", "m", "--max-queue", "3"], {}, "--max-queue"),
     (["--backend", "scripted", "--vllm-command", "x"], {}, "--vllm-command"),
