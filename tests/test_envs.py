@@ -151,6 +151,55 @@ def test_more_prompts_are_dismissed_and_descend_message_is_kept():
         env.close()
 
 
+def test_a_step_answers_the_prompt_it_meets_and_only_then():
+    """step_core hands a frame to _known_steps only when it shows a prompt (or the env has the
+    extended actions): the --More-- is dismissed within the agent's step, a plain frame is not
+    touched, and a game that ended leaves its last prompt alone."""
+
+    class Scripted(_ScriptedNetHack):
+        def step(self, key):
+            self.keys.append(key)
+            frame, done = self.frames.pop(0)
+            return frame, done
+
+        def in_normal_game(self):
+            return True
+
+    env = make_task("score")
+    env.reset(seed=0)
+    real = env.nethack
+
+    def frame(message, **prompt):
+        obs = [np.array(a, copy=True) for a in env.last_observation]
+        obs[env._message_index][:] = encode_message(message)
+        internal = obs[env._internal_index]
+        internal[1], internal[2], internal[3] = prompt.get("yn", 0), prompt.get("getlin", 0), prompt.get("more", 0)
+        return obs
+
+    west = env._action_keys.index(ord("h"))
+    try:
+        env.nethack = Scripted(env, [(frame("The newt bites!--More--", more=1), False),
+                                     (frame("You hit the newt."), False)])
+        env.step_core(west)
+        assert env.nethack.keys == [ord("h"), ord(" ")] and env._prev_message == b"You hit the newt."
+        env.nethack = Scripted(env, [(frame("You see here a scroll."), False)])
+        env.step_core(west)
+        assert env.nethack.keys == [ord("h")] and env._prev_message == b"You see here a scroll."
+        env.nethack = Scripted(env, [(frame("You feel more confident in your weapon skills."), False),
+                                     (frame(""), False), (frame(""), False)])
+        env.step_core(west)
+        assert env.nethack.keys == [ord("h"), nethack.Command.ENHANCE, ord("a")]
+        env.nethack = Scripted(env, [(frame("You cast."), False), (frame("In what direction?"), False)])
+        env.step_core(env._action_keys.index(nethack.Command.CAST))
+        assert env.nethack.keys == [nethack.Command.CAST, ord("a")]
+        env.nethack = Scripted(env, [(frame("You die...--More--", more=1), True)])
+        assert env.step_core(west)[1], "the game ended: terminated"
+        assert env.nethack.keys == [ord("h")]
+    finally:
+        env.nethack = real
+        env.close()
+
+
 def test_yes_no_questions_escaped_unless_the_agent_must_answer():
     env = make_task("score")
     real = env.nethack
