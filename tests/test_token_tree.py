@@ -240,6 +240,33 @@ def test_tokens_from_earlier_batches_give_a_plain_forwards_numbers(node_cache_mb
 
 
 @needs_model
+def test_a_prompt_alone_keeps_its_caption_not_the_templates_ending():
+    """The template's tokens after the caption follow each caption once: a batch shows them as its
+    common ending and they are not kept; a prompt alone, which shows no ending, leaves out the one
+    the last batch showed, so it keeps only its caption's new tokens."""
+    from torchrl_oni.serve.engines import make_engine
+
+    engine = make_engine("embedded", TEST_MODEL, dtype="float32", threads=1, node_cache_mb=256)
+    node = engine.node_cache
+    engine.complete([_prompt(m) for m in MESSAGES[:4]], max_tokens=1)
+    assert node.ending, "a batch of captions in one template shows the template's ending"
+    ids = engine.tokenizer(_prompt("Zebra quagga okapi.")).input_ids
+    suffix = ids[len(node.root):]
+    assert tuple(suffix[-len(node.ending):]) == node.ending
+    held = len(node.walk(suffix, len(suffix) - 1))
+    before = len(node)
+    prompt = _prompt("Zebra quagga okapi.")
+    plain = _plain_top(engine, prompt)
+    alone = engine.complete([prompt], max_tokens=1, top_logprobs=5)[0]
+    assert len(node) - before == len(suffix) - len(node.ending) - held
+    hits = node.hits
+    again = engine.complete([prompt], max_tokens=1, top_logprobs=5)[0]  # its caption from the cache
+    assert node.hits - hits == len(suffix) - len(node.ending)
+    for answer in (alone, again):
+        assert [v for _, v in answer.top_logprobs[0]] == pytest.approx(plain, abs=1e-4)
+
+
+@needs_model
 def test_a_model_that_ignores_the_trees_mask_runs_padded_with_one_warning():
     from torchrl_oni.serve.engines import TransformersEngine
     from torchrl_oni.serve.models import load_model

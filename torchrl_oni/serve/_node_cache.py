@@ -45,6 +45,8 @@ class NodeCache:
 
     Attributes:
         root: the token ids every cached path continues (``None`` until :meth:`reset`).
+        ending: the token ids every prompt under ``root`` ends with (the template after the
+            caption), as its user last found them; not stored, since they follow each caption once.
         hits: tokens taken from the cache instead of being computed.
     """
 
@@ -53,6 +55,7 @@ class NodeCache:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = int(capacity)
         self.root: Optional[Tuple[int, ...]] = None
+        self.ending: Tuple[int, ...] = ()  # the template's tokens after the caption, once a batch showed them
         self.hits = 0
         self._tensors: Optional[List[Tuple[Any, Any]]] = None
         self._children: Dict[Tuple[int, int], int] = {}
@@ -70,6 +73,7 @@ class NodeCache:
     def reset(self, root: Sequence[int]) -> None:
         """Forgets every node and roots the trie at ``root``."""
         self.root = tuple(root)
+        self.ending = ()
         self._children.clear()
         self._used[:] = -1
         self._free = list(range(self.capacity - 1, -1, -1))

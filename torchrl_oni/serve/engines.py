@@ -452,13 +452,18 @@ class TransformersEngine:
 
     def _keep_nodes(self, node: NodeCache, tree, suffixes, held, model_cache, first_col: int) -> None:
         """Stores the tree's new nodes in ``node``, but not the batch's common ending (the
-        template after the caption): those tokens follow each caption once."""
+        template after the caption): those tokens follow each caption once. A prompt alone has
+        no batch to show its ending: the one the last batch showed is left out where it ends so."""
         torch = self.torch
         tail = 0
         if len(suffixes) > 1:
             shortest = min(len(s) for s in suffixes)
             while tail < shortest - 1 and len({s[-1 - tail] for s in suffixes}) == 1:
                 tail += 1
+            node.ending = tuple(suffixes[0][len(suffixes[0]) - tail:])
+        elif node.ending and len(suffixes[0]) > len(node.ending) \
+                and tuple(suffixes[0][-len(node.ending):]) == node.ending:
+            tail = len(node.ending)
         found = {}  # (row, column) -> (depth, parent: ("slot", s) | ("node", (row, column)), token)
         for suffix, cols, slots, row in zip(suffixes, tree.columns, held, tree.rows):
             k = len(slots)
