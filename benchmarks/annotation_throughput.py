@@ -244,16 +244,21 @@ def collector_overhead(args) -> Optional[dict]:
 SHIPPED_LABELS = Path(__file__).parent / "labels" / "staircase-lvl3_qwen2.5-coder-0.5b.jsonl.gz"
 
 
-def real_captions(n: int, seed: int = 0) -> List[str]:
-    """``n`` captions drawn at random from the shipped labels file (the captions agents meet)."""
+def _shipped_captions() -> List[str]:
+    """The shipped labels file's captions, in its order (its first line is the header)."""
     import gzip
-    import random
 
-    if n <= 0 or not SHIPPED_LABELS.is_file():
-        return []
     with gzip.open(SHIPPED_LABELS, "rt") as f:
         rows = [json.loads(line) for line in f][1:]
-    return random.Random(seed).sample([r["caption"] for r in rows], min(n, len(rows)))
+    return [r["caption"] for r in rows]
+
+
+def real_captions(n: int, seed: int = 0) -> List[str]:
+    """``n`` captions drawn at random from the shipped labels file (the captions agents meet)."""
+    if n <= 0 or not SHIPPED_LABELS.is_file():
+        return []
+    captions = _shipped_captions()
+    return random.Random(seed).sample(captions, min(n, len(captions)))
 
 
 async def _alternating_stream(servers: dict, batch: int, seconds: float, rounds: int, captions: Sequence[str],
@@ -290,12 +295,8 @@ async def _alternating_stream(servers: dict, batch: int, seconds: float, rounds:
 def stream_captions(exclude: Sequence[str], seed: int = 2) -> List[str]:
     """The shipped labels file's captions less ``exclude``, shuffled: a stream of captions a judge
     has not seen (each is scored once, as in training, where the store asks about a caption once)."""
-    import gzip
-
-    with gzip.open(SHIPPED_LABELS, "rt") as f:
-        rows = [json.loads(line) for line in f][1:]
     skip = set(exclude)
-    out = [r["caption"] for r in rows if r["caption"] not in skip]
+    out = [c for c in _shipped_captions() if c not in skip]
     random.Random(seed).shuffle(out)
     return out
 
