@@ -478,6 +478,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: --max-tokens must be at least 1, not {args.max_tokens}", file=sys.stderr)
         return 2
     MAX_TOKENS["n"] = args.max_tokens
+    if args.compare_max_tokens is not None and (args.compare_max_tokens < 1 or args.throughput_captions != "stream"):
+        print(f"error: --compare-max-tokens {args.compare_max_tokens} needs --throughput-captions stream and a value "
+              "of at least 1", file=sys.stderr)
+        return 2
     if args.throughput_captions == "real_captions" and args.real_captions <= 0:
         print("error: --throughput-captions real_captions needs --real-captions of at least 1", file=sys.stderr)
         return 2

@@ -41,7 +41,11 @@ def test_layout_comparison_reports_speed_agreement_and_the_rounding_floor():
 
 @pytest.mark.parametrize("args, names", [(["--max-tokens", "0"], "--max-tokens"),
                                          (["--throughput-captions", "real_captions", "--real-captions", "0"],
-                                          "--real-captions")])
+                                          "--real-captions"),
+                                         (["--compare-layout", "tree", "--compare-max-tokens", "1"],
+                                          "--compare-max-tokens"),
+                                         (["--throughput-captions", "stream", "--compare-max-tokens", "0"],
+                                          "--compare-max-tokens")])
 def test_a_bad_comparison_is_one_line_and_exit_2(capfd, args, names):
     code, err = script_exit(BENCH / "annotation_throughput.py", args, capfd)
     assert code == 2 and err.strip().count("\n") == 0 and names in err
