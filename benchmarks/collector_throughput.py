@@ -24,9 +24,14 @@ another load on the machine slows the rows less than it would wall-clock rates; 
 in ``--rounds`` interleaved rounds and the median round is reported. ``fast_over_torchrl`` is the
 ratio of the two medians.
 
+With ``--acting server`` the worker's policy is a :class:`~torchrl_oni.train.acting.PolicyServer`
+client (each row its own server, a thread of this process), so the rows measure what the worker
+itself spends around the answers (``--arch oni``: ONI's GRU, whose env carries InitTracker and the
+recurrent state's primer).
+
 Usage: ``python benchmarks/collector_throughput.py --seconds 60 [--envs 32] [--rollout 32]
-[--rounds 5] [--baseline-code DIR]`` or ``--sweep-envs 16 32 64 128``. Output: a table, then one
-JSON line.
+[--rounds 5] [--arch oni] [--acting server] [--baseline-code DIR]`` or ``--sweep-envs 16 32 64 128``.
+Output: a table, then one JSON line.
 """
 from __future__ import annotations
 
@@ -56,18 +61,31 @@ def _worker_collector_class(which: str):
 class _Measured:
     """One collector over one worker's env, iterated in rounds of a given thread time."""
 
-    def __init__(self, which: str, envs: int, rollout: int, seed: int = 0):
+    def __init__(self, which: str, envs: int, rollout: int, seed: int = 0, arch: str = "light",
+                 acting: str = "workers"):
         import torch
 
         from torchrl_oni.train.config import TrainConfig
         from torchrl_oni.train.env_factory import make_env_factory
-        from torchrl_oni.train.policy import acting_copy, make_actor_critic
+        from torchrl_oni.train.policy import acting_copy, make_actor_critic, recurrent_primer
 
         torch.set_num_threads(1)
         cfg = TrainConfig(workers=1, envs_per_worker=envs, rollout=rollout, seed=seed).resolved()
-        env = make_env_factory(cfg, 0)()
+        probe = make_env_factory(cfg, 0)()
         torch.manual_seed(seed)
-        policy = acting_copy(make_actor_critic(env)[0])
+        actor = make_actor_critic(probe, arch=arch)[0]
+        probe.close()
+        primer = recurrent_primer(actor)
+        factory = make_env_factory(cfg, 0, primer.primers if primer is not None else None)
+        env = factory()
+        self.server = None
+        if acting == "server":  # the worker's policy is a client of a server thread of this process
+            from torchrl_oni.train.acting import PolicyServer
+
+            self.server = PolicyServer(actor, device="cpu", num_workers=1, example=factory)
+            policy = self.server.worker_policies()[0]
+        else:
+            policy = acting_copy(actor)
         cls = _worker_collector_class(which)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TorchRL's FutureWarnings about options the workers leave alone
@@ -82,20 +100,25 @@ class _Measured:
         while time.thread_time() - start < seconds:
             frames += next(self.batches).numel()
         cpu = time.thread_time() - start
-        return {"frames": frames, "cpu_s": cpu, "fps": frames / cpu}
+        # rollouts made on the in-place path so far (None: a collector without it)
+        return {"frames": frames, "cpu_s": cpu, "fps": frames / cpu,
+                "in_place_rollouts": getattr(self.collector, "fast_rollouts", None)}
 
     def close(self):
         self.collector.shutdown()
+        if self.server is not None:
+            self.server.shutdown()
 
 
 class _Elsewhere:
     """The same measurement by the package in another checkout: a subprocess answering rounds."""
 
-    def __init__(self, code_dir: str, envs: int, rollout: int):
+    def __init__(self, code_dir: str, envs: int, rollout: int, arch: str = "light", acting: str = "workers"):
         env = dict(os.environ, PYTHONPATH=os.path.abspath(code_dir) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.code_dir = code_dir
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", "--envs", str(envs), "--rollout", str(rollout)],
+            [sys.executable, os.path.abspath(__file__), "--serve", "--envs", str(envs), "--rollout", str(rollout),
+             "--arch", arch, "--acting", acting],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=code_dir)
         self.kind = self._answer()["kind"]
 
@@ -120,9 +143,9 @@ class _Elsewhere:
             self.proc.kill()
 
 
-def _serve(envs: int, rollout: int) -> int:
+def _serve(envs: int, rollout: int, arch: str, acting: str) -> int:
     """``--serve``: this code's worker collector, one round per line of stdin (seconds), one JSON line each."""
-    measured = _Measured("own", envs, rollout)
+    measured = _Measured("own", envs, rollout, arch=arch, acting=acting)
     print(json.dumps({"kind": measured.kind}), flush=True)
     for line in sys.stdin:
         print(json.dumps(measured.round(float(line))), flush=True)
@@ -181,6 +204,11 @@ def main(argv=None) -> int:
                    help="also measure the worker's collector of the checkout in DIR (today's code)")
     p.add_argument("--sweep-envs", type=int, nargs="+", metavar="K", default=None,
                    help="instead: this code's worker collector at each number of games per worker")
+    p.add_argument("--arch", default="light", choices=("light", "oni"),
+                   help="the policy: light (default) or ONI's GRU (its env gets InitTracker and the state's primer)")
+    p.add_argument("--acting", default="workers", choices=("workers", "server"),
+                   help="workers: the worker's own copy acts (default); server: a PolicyServer thread of this "
+                        "process acts, and the rows measure the worker's own CPU time around its answers")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a --baseline-code subprocess
     args = p.parse_args(argv)
     if not args.seconds > 0:
@@ -198,24 +226,30 @@ def main(argv=None) -> int:
             p.error(f"--sweep-envs: every K must be >= 1, got {min(args.sweep_envs)}")
         if args.baseline_code:
             p.error("--sweep-envs measures this code alone: leave out --baseline-code")
+        if (args.arch, args.acting) != ("light", "workers"):
+            p.error("--sweep-envs measures the light policy on the worker: leave out --arch and --acting")
     if args.serve:
-        return _serve(args.envs, args.rollout)
+        return _serve(args.envs, args.rollout, args.arch, args.acting)
     if args.sweep_envs is not None:
         return _sweep(args)
 
-    rows = {"torchrl": _Measured("torchrl", args.envs, args.rollout),
-            "fast": _Measured("own", args.envs, args.rollout)}
+    how = dict(arch=args.arch, acting=args.acting)
+    rows = {"torchrl": _Measured("torchrl", args.envs, args.rollout, **how),
+            "fast": _Measured("own", args.envs, args.rollout, **how)}
     if args.baseline_code:
-        rows["baseline-code"] = _Elsewhere(args.baseline_code, args.envs, args.rollout)
+        rows["baseline-code"] = _Elsewhere(args.baseline_code, args.envs, args.rollout, **how)
     results = _rounds(rows, args)
     fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
     ratio = fps["fast"] / fps["torchrl"]
-    print(f"\none worker's collector in this process: {args.envs} games, rollout {args.rollout}, light policy, "
-          f"1 torch thread; frames per CPU second of the collecting thread, median of {args.rounds} round(s)")
+    acting = "acting in the worker" if args.acting == "workers" else "acting in a policy server thread"
+    print(f"\none worker's collector in this process: {args.envs} games, rollout {args.rollout}, {args.arch} policy "
+          f"{acting}, 1 torch thread; frames per CPU second of the collecting thread, median of {args.rounds} "
+          "round(s)")
     print(f"{'row':<15} {'collector':<22} {'frames/s':>10} {'vs torchrl':>11}")
     for name, row in rows.items():
         print(f"{name:<15} {row.kind:<22} {fps[name]:>10,.0f} {fps[name] / fps['torchrl']:>10.2f}x")
-    out = {"benchmark": "collector_throughput", "envs": args.envs, "rollout": args.rollout,
+    out = {"benchmark": "collector_throughput", "envs": args.envs, "rollout": args.rollout, "arch": args.arch,
+           "acting": args.acting,
            "seconds": args.seconds, "rounds": args.rounds, "cpu_count": os.cpu_count(),
            "fps": {name: round(v) for name, v in fps.items()},
            "fast_over_torchrl": round(ratio, 3),
@@ -224,6 +258,7 @@ def main(argv=None) -> int:
                                                                                       results["torchrl"])],
            "rounds_fps": {name: [round(r["fps"]) for r in res] for name, res in results.items()},
            "collectors": {name: row.kind for name, row in rows.items()},
+           "in_place_rollouts": {name: res[-1].get("in_place_rollouts") for name, res in results.items()},
            "baseline_code": args.baseline_code}
     if args.baseline_code:
         out["fast_over_baseline_code"] = round(fps["fast"] / fps["baseline-code"], 3)

@@ -16,7 +16,9 @@ second (``nvidia-smi``) when the learner is on CUDA.
 
 Usage: ``python benchmarks/train_throughput.py --seconds 120 [--workers 2] [--envs 32]
 [--frames-per-update 16384] [--acting server] [--task staircase-lvl3] [--baseline-code DIR --rounds 3]``;
-what a reward type costs: ``--intrinsic-reward retrieval --baseline-code . --baseline-intrinsic-reward none``
+what a reward type costs: ``--intrinsic-reward retrieval --baseline-code . --baseline-intrinsic-reward none``;
+what games in groups give the served workers: ``--acting server --acting-splits 2 --baseline-code .
+--baseline-acting-splits 1``.
 Last line: one JSON object with ``fps``, ``collect_fraction``, ``baseline_fps``, ``ratio``,
 ``stages`` and ``gpu_util``.
 """
@@ -112,7 +114,7 @@ def steady_state(rows: list) -> tuple:
 
 def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "light", device: str = "auto",
         frames_per_update=None, acting: str = "workers", minibatch_size=None, intrinsic_reward: str = "none",
-        prefetch_batches=None, compile=None, task=None) -> dict:
+        prefetch_batches=None, compile=None, task=None, acting_splits=None) -> dict:
     import torch
     from torchrl_oni.train import TrainConfig
     try:
@@ -128,6 +130,8 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         extra["acting"] = acting
     if prefetch_batches is not None:
         extra["prefetch_batches"] = prefetch_batches
+    if acting_splits is not None:
+        extra["acting_splits"] = acting_splits
     if compile:
         extra["compile"] = compile
     if task:
@@ -161,6 +165,7 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         "acting": {k: v for k, v in last.items() if k.startswith("acting/")},
         "prefetch_batches": getattr(record.distributed, "prefetch_batches", None),  # as resolved
         "compile": getattr(record.ppo, "compile", None),
+        "acting_splits": getattr(record, "acting_splits", 1),
     }
 
 
@@ -172,6 +177,7 @@ def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
            "--acting", args.acting]
     for flag, value in (("--frames-per-update", args.frames_per_update), ("--minibatch-size", args.minibatch_size),
                         ("--prefetch-batches", args.baseline_prefetch_batches),
+                        ("--acting-splits", args.baseline_acting_splits),
                         ("--compile", args.baseline_compile), ("--task", args.task)):
         if value is not None:  # only what was asked: the baseline's code may not know the setting
             cmd += [flag, str(value)]
@@ -199,6 +205,10 @@ def main(argv=None):
                    help="steps per PPO minibatch (default: one worker's batch, at least 256)")
     p.add_argument("--acting", default="workers", choices=("workers", "server"),
                    help="where the policy acts: env workers' CPUs or one inference server on the learner's device")
+    p.add_argument("--acting-splits", type=int, default=None, metavar="N",
+                   help="with --acting server: groups of each worker's games that take turns (default: the trainer's)")
+    p.add_argument("--baseline-acting-splits", type=int, default=None, metavar="N",
+                   help="with --baseline-code: the baseline's --acting-splits (default: its own default)")
     p.add_argument("--intrinsic-reward", default="none",
                    help="an intrinsic reward type (retrieval, classification, ...), labelled by the rules annotator "
                         "in the trainer (default none)")
@@ -224,7 +234,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     settings = dict(frames_per_update=args.frames_per_update, acting=args.acting, minibatch_size=args.minibatch_size,
                     intrinsic_reward=args.intrinsic_reward, prefetch_batches=args.prefetch_batches,
-                    compile=args.compile, task=args.task)
+                    compile=args.compile, task=args.task, acting_splits=args.acting_splits)
     if args.one_run:
         print(json.dumps(run(args.seconds, args.workers, args.envs, args.rollout, args.arch, args.device, **settings)))
         return 0
@@ -232,6 +242,7 @@ def main(argv=None):
     orphans = [flag for flag, given in (("--baseline-intrinsic-reward", args.baseline_intrinsic_reward is not None),
                                         ("--baseline-prefetch-batches", args.baseline_prefetch_batches is not None),
                                         ("--baseline-compile", args.baseline_compile is not None),
+                                        ("--baseline-acting-splits", args.baseline_acting_splits is not None),
                                         ("--rounds", args.rounds != 1)) if given]
     if orphans and not args.baseline_code:  # said, not ignored: the run would measure something else
         p.error(f"{orphans[0]} describes the --baseline-code run: give --baseline-code DIR (. for this code)")
@@ -284,6 +295,7 @@ def main(argv=None):
         "frames_per_update": args.frames_per_update or args.envs * args.rollout,
         "prefetch_batches": main_run.get("prefetch_batches"),
         "compile": main_run.get("compile"),
+        "acting_splits": main_run.get("acting_splits"),
         "fps_per_core": round(main_run["fps"] / (os.cpu_count() or 1)),
         "outside_loss_share": main_run["outside_loss_share"] and round(main_run["outside_loss_share"], 3),
         "stages": main_run["stages"],

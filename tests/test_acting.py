@@ -191,7 +191,7 @@ def test_requests_that_arrive_together_share_one_forward():
                 for t in threads:
                     t.start()
                 deadline = time.monotonic() + 10
-                while not all(_published(p.client.client) for p in policies) and time.monotonic() < deadline:
+                while not all(_published(p.clients[0].client) for p in policies) and time.monotonic() < deadline:
                     time.sleep(0.01)
             for t in threads:
                 t.join(10)
@@ -262,7 +262,7 @@ def test_shutdown_ends_the_thread_and_waiting_workers_fail_fast():
     with server._server._model_lock:  # a forward that never ends...
         waiting = threading.Thread(target=act)
         waiting.start()
-        while not policy.client.client._in_flight:
+        while not policy.clients[0].client._in_flight:
             time.sleep(0.01)
         t0 = time.monotonic()
         server.shutdown(timeout=0.1)  # ...and the server stops meanwhile
@@ -366,3 +366,14 @@ def test_plain_step_only_for_actors_it_knows():
         assert served.model.actor.plain_step is not None
     finally:
         served.shutdown()
+
+
+def test_games_in_groups_need_a_layout_they_divide():
+    actor = _actor("light")
+    with pytest.raises(ValueError, match="more than 1 needs example="):
+        PolicyServer(actor, device="cpu", num_workers=1, splits=2)
+    with pytest.raises(ValueError, match="splits=2 must divide the 3 games of a worker"):
+        PolicyServer(actor, device="cpu", num_workers=1, example=_request(games=3), splits=2)
+    with PolicyServer(actor, device="cpu", num_workers=2, example=_request(games=4), splits=2) as server:
+        assert server.max_batch_size == 4 and [p.splits for p in server.worker_policies()] == [2, 2]
+        assert "splits=2" in repr(server)

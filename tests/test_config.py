@@ -174,6 +174,9 @@ def test_api_keys_never_reach_files():
     (["--config", "/nonexistent.yaml"], "No such file"),
     (["--config", "x.yaml", "--preset", "oni"], "not both"),
     (["--workers", "0"], "--workers"),
+    (["--acting-splits", "2"], "--acting-splits 2 needs --acting server"),
+    (["--acting", "server", "--acting-splits", "3"], "--acting-splits (3) must divide --envs-per-worker"),
+    (["--acting", "server", "--acting-splits", "0"], "--acting-splits"),
 ])
 def test_cli_errors_are_one_line_exit_2(flags, words, capsys):
     from torchrl_oni.train.cli import main

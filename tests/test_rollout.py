@@ -22,9 +22,10 @@ def _env(seed=3, screens=False, transform=False, together=False):
     return TransformedEnv(env, InitTracker()) if transform else env
 
 
-def _run(cls, *, batches=BATCHES, seed=0, policy="acting", exploration_type=None, patch=None, **env_kwargs):
+def _run(cls, *, batches=BATCHES, seed=0, policy="acting", exploration_type=None, patch=None, make_env=None,
+         **env_kwargs):
     """``batches`` batches of ``cls`` and the carrier after each; the collector."""
-    env = _env(**env_kwargs)
+    env = _env(**env_kwargs) if make_env is None else make_env()
     torch.manual_seed(seed)
     actor = make_actor_critic(env)[0]
     if policy == "acting":
@@ -57,6 +58,23 @@ def _assert_same(a, b, what):
         x, y = a.get(key), b.get(key)
         assert (x.dtype, x.shape) == (y.dtype, y.shape), f"{what} {key}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}"
         assert torch.equal(x, y), f"{what} {key}: values differ"
+
+
+def _assert_close_runs(mine, torchrl, exact):
+    """``_assert_same_runs``, but the network's floats may round differently in a forward of fewer
+    games (``exact=False``); every other leaf is equal."""
+    if exact:
+        return _assert_same_runs(mine, torchrl)
+    assert len(mine) == len(torchrl) == BATCHES
+    for i, ((batch, carrier), (batch_t, carrier_t)) in enumerate(zip(mine, torchrl)):
+        for a, b, what in ((batch, batch_t, f"batch {i}"), (carrier, carrier_t, f"carrier after batch {i}")):
+            assert set(a.keys(True, True)) == set(b.keys(True, True)), what
+            for key in a.keys(True, True):
+                x, y = a.get(key), b.get(key)
+                if x.is_floating_point() and key != ("next", "reward"):
+                    torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} {key}: {m}")
+                else:
+                    assert x.dtype == y.dtype and torch.equal(x, y), f"{what} {key}: values differ"
 
 
 def _assert_same_runs(mine, torchrl):
@@ -152,8 +170,8 @@ def test_paths_taking_turns_continue_each_other():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("acting,workers", [("own", 2), ("served", 1)])
-def test_local_workers_run_the_fast_rollout(acting, workers):
+@pytest.mark.parametrize("acting,workers,splits", [("own", 2, 1), ("served", 1, 1), ("served", 1, 3)])
+def test_local_workers_run_the_fast_rollout(acting, workers, splits):
     import contextlib
 
     from torchrl_oni.train.acting import PolicyServer
@@ -170,7 +188,8 @@ def test_local_workers_run_the_fast_rollout(acting, workers):
     with contextlib.ExitStack() as stack:
         kw = {}
         if acting == "served":
-            server = stack.enter_context(PolicyServer(actor, device="cpu", num_workers=workers, example=factories[0]))
+            server = stack.enter_context(PolicyServer(actor, device="cpu", num_workers=workers, example=factories[0],
+                                                      splits=splits))
             kw["worker_policies"] = server.worker_policies()
         collector = make_local_collector(factories, acting_copy(actor), frames_per_batch=GAMES * STEPS,
                                          total_frames=batches * GAMES * STEPS, **kw)
@@ -195,6 +214,19 @@ def test_collector_throughput_benchmark_smoke():
 
 
 @pytest.mark.slow
+def test_collector_throughput_serves_the_recurrent_policy_smoke():
+    """--arch oni --acting server: the rows' workers ask a policy server thread; the in-place row
+    takes the in-place path with InitTracker and the primed state (tests above: the same batches)."""
+    from helpers import BENCH, bench_json
+
+    result, table = bench_json([BENCH / "collector_throughput.py", "--seconds", "1.5", "--envs", "2", "--rollout",
+                                "4", "--rounds", "1", "--arch", "oni", "--acting", "server"])
+    assert (result["arch"], result["acting"]) == ("oni", "server")
+    assert result["in_place_rollouts"]["fast"] > 0 and not result["in_place_rollouts"]["torchrl"]
+    assert all(v > 0 for v in result["fps"].values()) and "acting in a policy server thread" in table
+
+
+@pytest.mark.slow
 def test_collector_throughput_sweeps_games_per_worker():
     from helpers import BENCH, bench_json
 
@@ -209,6 +241,7 @@ def test_collector_throughput_sweeps_games_per_worker():
                                         (["--envs", "0"], "--envs must be >= 1"),
                                         (["--sweep-envs", "16", "0"], "every K must be >= 1"),
                                         (["--sweep-envs", "16", "--baseline-code", "."], "leave out --baseline-code"),
+                                        (["--sweep-envs", "16", "--acting", "server"], "leave out --arch and --acting"),
                                         (["--baseline-code", "/no/such/dir"], "no torchrl_oni package there")])
 def test_collector_throughput_rejects_bad_input_in_one_line(flags, said, capfd):
     from helpers import BENCH, script_exit
@@ -235,3 +268,75 @@ def test_fast_rollout_through_a_policy_server_equals_torchrl(exploration_type):
     (mine, fast), (torchrl, _) = runs[NLERolloutCollector], runs[Collector]
     assert fast.fast_rollouts == BATCHES
     _assert_same_runs(mine, torchrl)
+
+
+@pytest.mark.parametrize("splits,together", [(1, False), (3, False), (3, True)],
+                         ids=["one-group", "groups", "groups-ending-together"])
+def test_games_in_groups_through_a_policy_server_equal_torchrl(splits, together):
+    """``PolicyServer(splits=)``: a group's games step while the others' actions are computed; greedy
+    actions give TorchRL's batches (one request for all games) leaf by leaf, trajectory ids included
+    (games of several groups ending at one step take new ids in row order)."""
+    from torchrl_oni.train.acting import PolicyServer
+
+    torch.manual_seed(0)
+    env = _env()
+    actor = make_actor_critic(env)[0]
+    example = env.fake_tensordict()
+    env.close()
+    with PolicyServer(actor, device="cpu", num_workers=1, example=example, splits=splits) as grouped, \
+            PolicyServer(actor, device="cpu", num_workers=1, example=example) as whole:
+        policy, = grouped.worker_policies()
+        assert policy.splits == splits
+        deterministic = dict(exploration_type=InteractionType.DETERMINISTIC, together=together)
+        mine, fast = _run(NLERolloutCollector, policy=policy, **deterministic)
+        requests = grouped.metrics()["acting/requests"]
+        torchrl, _ = _run(Collector, policy=whole.worker_policies()[0], **deterministic)
+        # TorchRL's own loop with the grouped client: every group asked at once, answers put together
+        torchrl_grouped, _ = _run(Collector, policy=policy, **deterministic)
+    assert fast.fast_rollouts == BATCHES
+    # one request per group and step, and one forward of TorchRL's when the collector is built
+    assert requests == (BATCHES * STEPS + 1) * splits
+    _assert_close_runs(mine, torchrl, exact=False)
+    _assert_close_runs(torchrl_grouped, torchrl, exact=False)
+    batches = torch.cat([b for b, _ in mine], 1)
+    assert batches["next", "done"].sum() >= 4 and batches["collector", "traj_ids"].max() >= GAMES + 2
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-group", "groups"])
+def test_a_served_recurrent_policy_fills_the_batch_in_place_as_torchrl_does(splits):
+    """ONI's GRU through the policy server on the in-place path: InitTracker's ``is_init`` and the
+    primed ``recurrent_state`` (the policy's next state, zeros at a reset) in the batch and the
+    carrier are TorchRL's, leaf by leaf, with games ending at different steps and together."""
+    from torchrl.envs import Compose
+
+    from torchrl_oni.train.acting import PolicyServer
+    from torchrl_oni.train.policy import recurrent_primer
+
+    torch.manual_seed(0)
+    probe = _env()
+    actor = make_actor_critic(probe, arch="oni")[0]
+    probe.close()
+    primer = recurrent_primer(actor)
+
+    def recurrent_env(**kw):
+        from torchrl.envs import TensorDictPrimer
+
+        env = _env(**kw)
+        return TransformedEnv(env, Compose(InitTracker(), TensorDictPrimer(primer.primers, expand_specs=True)))
+
+    example = recurrent_env().fake_tensordict()
+    runs = {}
+    for together in (False, True):
+        with PolicyServer(actor, device="cpu", num_workers=1, example=example, splits=splits) as grouped, \
+                PolicyServer(actor, device="cpu", num_workers=1, example=example) as whole:
+            for cls, policy in ((NLERolloutCollector, grouped.worker_policies()[0]),
+                                (Collector, whole.worker_policies()[0])):
+                runs[cls, together] = _run(cls, policy=policy, exploration_type=InteractionType.DETERMINISTIC,
+                                           make_env=lambda: recurrent_env(together=together))
+        (mine, fast), (torchrl, _) = runs[NLERolloutCollector, together], runs[Collector, together]
+        assert fast.fast_rollouts == BATCHES
+        _assert_close_runs(mine, torchrl, exact=splits == 1)
+        batches = torch.cat([b for b, _ in mine], 1)
+        resets = batches["is_init"][:, 1:].squeeze(-1)
+        assert resets.any() and batches["next", "recurrent_state"].abs().sum() > 0
+        assert (batches["recurrent_state"][:, 1:][resets] == 0).all()  # a new episode starts from zeros

@@ -50,6 +50,16 @@ def test_train_throughput_against_baseline_settings_smoke():
     assert "--baseline-code" in table
 
 
+def test_train_throughput_compares_games_in_groups_with_one_group_smoke():
+    """--acting-splits against the same code with --baseline-acting-splits: both sides served."""
+    root = str(BENCH.parent)
+    result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "4", "--workers", "1", "--envs", "4",
+                                "--acting", "server", "--acting-splits", "2", "--baseline-code", root,
+                                "--baseline-acting-splits", "1"])
+    assert result["acting"] == "server" and result["acting_splits"] == 2
+    assert result["baseline_fps"] > 0 and "acting on server" in table
+
+
 def test_train_throughput_prices_a_reward_type_on_a_task_smoke():
     """What ONI-Retrieval costs, in one run: this code with it against the same code without it
     (--baseline-intrinsic-reward none), on the task asked for; the hooks run on one side only."""
@@ -64,7 +74,7 @@ def test_train_throughput_prices_a_reward_type_on_a_task_smoke():
 
 
 @pytest.mark.parametrize("flags", [["--baseline-intrinsic-reward", "none"], ["--rounds", "3"],
-                                   ["--baseline-prefetch-batches", "0"]])
+                                   ["--baseline-prefetch-batches", "0"], ["--baseline-acting-splits", "1"]])
 def test_train_throughput_refuses_baseline_settings_without_a_baseline(flags, capfd):
     code, err = script_exit(BENCH / "train_throughput.py", ["--seconds", "1", *flags], capfd)
     assert code == 2 and "give --baseline-code" in err and flags[0] in err

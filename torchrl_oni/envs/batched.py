@@ -406,25 +406,33 @@ class NLEBatchEnv(EnvBase):
         out["xlvl"][rows] = game_blstats[rows, nethack.NLE_BL_XP]
         out["gold"][rows] = game_blstats[rows, nethack.NLE_BL_GOLD]
 
-    def _step_into(self, actions: Sequence[int], out: dict, game_blstats: np.ndarray) -> list:
-        """One step of every game written into ``out``; returns the games that ended (ascending)."""
-        outcome = np.array([game.step_core(a) for game, a in zip(self.games, actions)], np.float64)
+    def _step_into(self, actions: Sequence[int], out: dict, game_blstats: np.ndarray,
+                   rows: Optional[range] = None) -> list:
+        """One step of every game, or of the games ``rows`` (a ``range``: the other rows of ``out``
+        are left alone), written into ``out``; returns the games that ended (ascending)."""
+        if rows is None:
+            games, at, noted = self.games, slice(None), self._all_rows
+        else:
+            games, at, noted = self.games[rows.start:rows.stop], slice(rows.start, rows.stop), rows
+        outcome = np.array([game.step_core(a) for game, a in zip(games, actions)], np.float64)
         st = dict(out, game_blstats=game_blstats)
-        self._observe(st)
-        self._note_messages(st, self._all_rows)
+        self._observe(st, None if rows is None else self._all_rows[at])
+        self._note_messages(st, noted)
         reward = outcome[:, 0].astype(np.float32)
-        np.add(self._ep_return, reward, out=self._ep_return)
-        np.add(self._ep_length, 1, out=self._ep_length)
-        out["reward"][:, 0] = reward
+        np.add(self._ep_return[at], reward, out=self._ep_return[at])
+        np.add(self._ep_length[at], 1, out=self._ep_length[at])
+        out["reward"][at, 0] = reward
         flags = outcome[:, 1:3] != 0
         done = flags.any(1)
-        out["done"][:, 0] = done
-        out["terminated"][:, 0] = flags[:, 0]
-        out["truncated"][:, 0] = flags[:, 1]
-        out["end_status"][...] = outcome[:, 3].astype(np.int64)
-        out["success"][...] = outcome[:, 4] != 0
-        self._episode_into(out, game_blstats)
-        return np.flatnonzero(done).tolist() if done.any() else []
+        out["done"][at, 0] = done
+        out["terminated"][at, 0] = flags[:, 0]
+        out["truncated"][at, 0] = flags[:, 1]
+        out["end_status"][at] = outcome[:, 3].astype(np.int64)
+        out["success"][at] = outcome[:, 4] != 0
+        self._episode_into(out, game_blstats, at)
+        if not done.any():
+            return []
+        return (np.flatnonzero(done) + (0 if rows is None else rows.start)).tolist()
 
     def _reset_into(self, rows: list, out: dict, game_blstats: np.ndarray) -> None:
         """:meth:`_reset` of the games ``rows`` (a partial reset) written into those rows of ``out``."""

@@ -22,6 +22,11 @@ TorchRL's own machinery (``torchrl.modules.inference_server``):
   (pinned and copied without blocking when it runs on CUDA). It had the shortest round trip of
   TorchRL's transports (BENCHMARKS.md, "Measurements behind design choices"). Without
   ``example`` the server falls back to ``MPTransport``, which needs no layout;
+* **games in groups** (``splits``, Sample Factory's double-buffered sampling): with ``splits=2``
+  each worker owns two slots, one per half of its games, and its in-place rollout
+  (:class:`~torchrl_oni.train._rollout.NLERolloutCollector`) steps one half's games in NetHack
+  while the server computes the other half's actions, so the round trip leaves NetHack's critical
+  path. A worker on TorchRL's generic path sends its groups together and waits for all of them;
 * **exploration**: each request carries the worker's interaction type (the collector's
   ``exploration_type``, RANDOM by default), and the server samples under it, as the local actor
   would;
@@ -33,7 +38,8 @@ TorchRL's own machinery (``torchrl.modules.inference_server``):
   :class:`PolicyServerGone` within 0.1 s; a worker whose trainer process died, or whose request
   waits longer than ``request_timeout``, raises too instead of hanging.
 
-Limits: all workers must play the same number of games K (the slot layout is fixed); worker
+Limits: all workers must play the same number of games K, a multiple of ``splits`` (the slot
+layout is fixed); worker
 policies can only reach the server from processes spawned after the server was built (the
 collector's workers), not from Ray actors; the served forward sets tensordict's interaction type,
 which is process-wide, so no other thread of the trainer process should change it meanwhile (the
@@ -188,31 +194,62 @@ class WorkerPolicy(TensorDictModuleBase):
             ``request_timeout`` seconds.
     """
 
-    def __init__(self, client, in_keys, out_keys, spec=None, request_timeout: Optional[float] = 300.0,
+    def __init__(self, clients, in_keys, out_keys, spec=None, request_timeout: Optional[float] = 300.0,
                  alive=None):
         super().__init__()
         self.in_keys = list(in_keys)
         self.out_keys = list(out_keys)
-        self.client = PolicyClientModule(client, in_keys=self.in_keys, out_keys=self.out_keys)
+        # one client (one slot, one request in flight) per group of the worker's games
+        self.clients = [PolicyClientModule(c, in_keys=self.in_keys, out_keys=self.out_keys) for c in clients]
         self.spec = spec
         self.request_timeout = request_timeout
         self._alive = alive  # set while the server's thread serves
 
+    @property
+    def splits(self) -> int:
+        """Groups of the worker's games, each asked for in its own request (``PolicyServer(splits=)``)."""
+        return len(self.clients)
+
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if self._alive is not None and not self._alive.is_set():
-            raise PolicyServerGone("the PolicyServer has stopped (shut down, or its thread died): no action for "
-                                   "this worker's games")
         request = tensordict.select(*self.in_keys, strict=True)
         if request.device is not None and request.device.type != "cpu":
             request = request.cpu()
+        if self.splits == 1:
+            answer = self.wait(self.submit(0, request))
+        else:  # every group at once; the server may answer them in one forward
+            parts = request.chunk(self.splits, 0)
+            if len(parts) != self.splits or len({p.batch_size[0] for p in parts}) != 1:
+                raise ValueError(f"this worker's {request.batch_size[0]} games do not split into {self.splits} "
+                                 "equal groups (PolicyServer(splits=))")
+            futures = [self.submit(i, part) for i, part in enumerate(parts)]
+            answer = torch.cat([self.wait(f).select(*self.out_keys, strict=True) for f in futures], 0)
+        tensordict.update(answer.select(*self.out_keys, strict=True))
+        return tensordict
+
+    def submit(self, group: int, request: TensorDictBase):
+        """Sends group ``group``'s ``[K / splits]`` request (its in_keys) without waiting: a future for :meth:`wait`.
+
+        One request per group may be in flight; the caller's interaction type travels with it.
+        """
+        self._check_alive()
         try:
-            future = self.client.submit(request)  # stamped with the caller's interaction type
-            answer = self._wait(future)
+            return self.clients[group].submit(request)
         except MailboxPeerClosedError as err:
             raise PolicyServerGone("the PolicyServer has stopped (shut down, or its thread died): no action for "
                                    "this worker's games") from err
-        tensordict.update(answer.select(*self.out_keys, strict=True))
-        return tensordict
+
+    def wait(self, future) -> TensorDictBase:
+        """The answer to a :meth:`submit` (raises :class:`PolicyServerGone` as :meth:`forward` does)."""
+        try:
+            return self._wait(future)
+        except MailboxPeerClosedError as err:
+            raise PolicyServerGone("the PolicyServer has stopped (shut down, or its thread died): no action for "
+                                   "this worker's games") from err
+
+    def _check_alive(self) -> None:
+        if self._alive is not None and not self._alive.is_set():
+            raise PolicyServerGone("the PolicyServer has stopped (shut down, or its thread died): no action for "
+                                   "this worker's games")
 
     def _wait(self, future) -> TensorDictBase:
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
@@ -245,8 +282,8 @@ class PolicyServer:
     Args:
         actor: the acting policy (e.g. ``make_actor_critic(...)[0]``); deep-copied onto ``device``.
         device: where the served copy runs (``"cuda"``, ``"cpu"``...).
-        num_workers: env workers, one client (and one slot) each.
-        max_batch_size: most worker requests in one forward (default: ``num_workers``).
+        num_workers: env workers, one client each.
+        max_batch_size: most requests in one forward (default: ``num_workers × splits``).
 
     Keyword Args:
         example: what fixes the request layout: one worker's ``[K]`` TensorDict with the actor's
@@ -255,17 +292,23 @@ class PolicyServer:
             it the server uses ``MPTransport`` (any layout, ~4 ms more per step).
         request_timeout: seconds a worker waits for an answer before it fails (``None``: forever
             while the server and the trainer process live).
+        splits: groups of each worker's games, each with its own slot and request in flight (2:
+            one half steps NetHack while the other's actions are computed; see the module doc).
+            Needs ``example``, whose K it must divide.
         idle_timeout: seconds the serving thread waits for work before it checks for shutdown.
     """
 
     def __init__(self, actor: torch.nn.Module, device: Union[torch.device, str], num_workers: int,
                  max_batch_size: Optional[int] = None, *, example: Any = None,
-                 request_timeout: Optional[float] = 300.0, idle_timeout: float = 0.05):
+                 request_timeout: Optional[float] = 300.0, idle_timeout: float = 0.05, splits: int = 1):
         if num_workers < 1:
             raise ValueError("num_workers must be at least 1")
+        if splits < 1 or (splits > 1 and example is None):
+            raise ValueError("splits must be at least 1, and more than 1 needs example= (the slot layout)")
         self.device = torch.device(device)
         self.num_workers = int(num_workers)
-        self.max_batch_size = int(max_batch_size or num_workers)
+        self.splits = int(splits)
+        self.max_batch_size = int(max_batch_size or num_workers * splits)
         from .policy import acting_copy
 
         # answers carry what a rollout stores: not the recurrent trunk's outputs (policy.TRUNK_KEYS)
@@ -285,9 +328,12 @@ class PolicyServer:
         if example is not None:
             request = self._request_layout(_example_request(example))
             self.games_per_worker = request.batch_size[0]
+            if self.games_per_worker % self.splits:
+                raise ValueError(f"splits={self.splits} must divide the {self.games_per_worker} games of a worker")
+            request = request[: self.games_per_worker // self.splits]  # one group's slot
             with torch.no_grad():
                 response = self.model.actor(request.to(self.device)).select(*self.out_keys, strict=True).cpu()
-            transport = ProcessSlotTransport(request, response, num_slots=self.num_workers, ctx=ctx)
+            transport = ProcessSlotTransport(request, response, num_slots=self.num_workers * self.splits, ctx=ctx)
             collate = None
         else:
             transport = MPTransport(ctx)
@@ -295,8 +341,8 @@ class PolicyServer:
         transport._set_peer_alive(alive)  # cleared when the serving thread ends
         self.transport = transport
         self.transport_kind = type(transport).__name__
-        self._policies = [WorkerPolicy(transport.client(), self.in_keys, self.out_keys, self._spec, request_timeout,
-                                       alive) for _ in range(self.num_workers)]
+        self._policies = [WorkerPolicy([transport.client() for _ in range(self.splits)], self.in_keys, self.out_keys,
+                                       self._spec, request_timeout, alive) for _ in range(self.num_workers)]
         self._server = _Server(self.model, transport, alive=alive, max_batch_size=self.max_batch_size,
                                min_batch_size=1, timeout=idle_timeout, collate_fn=collate,
                                policy_device=self.device, output_device="cpu", policy_version_key=None)
@@ -393,5 +439,5 @@ class PolicyServer:
             pass
 
     def __repr__(self) -> str:
-        return (f"PolicyServer(device={self.device}, num_workers={self.num_workers}, "
+        return (f"PolicyServer(device={self.device}, num_workers={self.num_workers}, splits={self.splits}, "
                 f"transport={self.transport_kind}, alive={self.alive})")

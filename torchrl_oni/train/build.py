@@ -122,7 +122,7 @@ def build_run(cfg: TrainConfig, hooks: Sequence = (), batch_transforms: Sequence
     # the hooks' acting-time observations (e.g. ELLM's goal), in every worker's env
     env_transforms = [t for hook in built for t in hook.env_transforms()]
     workers = EnvWorkers(make_env_factory(cfg, 0, transforms=env_transforms), cfg.env.workers, cfg.distributed,
-                         acting=cfg.acting, frames_per_batch=cfg.frames_per_batch)
+                         acting=cfg.acting, acting_splits=cfg.acting_splits, frames_per_batch=cfg.frames_per_batch)
     return Run(cfg, workers, RewardShaping(cfg.reward, cfg.ppo.value_heads), frames=cfg.frames,
                frames_per_update=cfg.frames_per_update, seed=cfg.seed, device=cfg.derived.device,
                learner_threads=cfg.derived.learner_threads, hooks=[*built, *hooks],

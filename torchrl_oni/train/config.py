@@ -417,6 +417,10 @@ class TrainConfig:
     acting: Literal["workers", "server"] = setting(
         "workers", "where the policy acts: workers (each env worker runs a CPU copy on its games) or server (one "
         "inference server runs it for all workers' games at once on the learner's device: for GPU nodes)")
+    acting_splits: int = setting(
+        1, "with --acting server: groups of each worker's games that take turns, each asking the server for its "
+        "actions while the others step NetHack (2: Sample Factory's double-buffered workers); must divide "
+        "--envs-per-worker", at_least=1)
     env: EnvConfig = field(default_factory=EnvConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)  # type: ignore[valid-type]
@@ -531,6 +535,10 @@ class TrainConfig:
             (ppo.frames_per_update is None or ppo.frames_per_update <= min(self.frames, MAX_FRAMES_PER_UPDATE),
              f"--frames-per-update ({ppo.frames_per_update}) must be at most --frames ({self.frames}) and "
              f"{MAX_FRAMES_PER_UPDATE:,} (its batches are held in memory, ~1.4 kB a frame)"),
+            (self.acting_splits == 1 or self.acting == "server",
+             f"--acting-splits {self.acting_splits} needs --acting server (the groups take turns asking it)"),
+            (self.env.envs_per_worker % self.acting_splits == 0,
+             f"--acting-splits ({self.acting_splits}) must divide --envs-per-worker ({self.env.envs_per_worker})"),
             (self.acting == "workers" or get_backend(self.distributed.backend).serves_policy,
              f"--acting server needs a backend whose workers can reach a policy server here (local), not "
              f"--backend {self.distributed.backend}"),

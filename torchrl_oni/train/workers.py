@@ -67,6 +67,8 @@ class EnvWorkers:
         dist: the ``distributed`` section (backend, restarts, stall timeout, prefetch).
         acting: ``workers`` (a CPU copy of the actor in each worker) or ``server`` (one
             :class:`~torchrl_oni.train.acting.PolicyServer` on the learner's device).
+        acting_splits: with ``acting="server"``, groups of each worker's games that take turns
+            (``PolicyServer(splits=)``).
         frames_per_batch: frames of one worker's batch (games × rollout).
 
     Attributes:
@@ -76,9 +78,9 @@ class EnvWorkers:
     """
 
     def __init__(self, games: EnvFactory, count: int, dist: DistributedConfig, *, acting: str = "workers",
-                 frames_per_batch: int):
+                 acting_splits: int = 1, frames_per_batch: int):
         self.games, self.count, self.dist = games, count, dist
-        self.acting, self.frames_per_batch = acting, frames_per_batch
+        self.acting, self.acting_splits, self.frames_per_batch = acting, acting_splits, frames_per_batch
         self.backend = get_backend(dist.backend)
         self.collector = None
         self.server = None
@@ -98,7 +100,8 @@ class EnvWorkers:
 
             if self.server is None:  # one per run: restarted workers reach the same server
                 # one copy of the policy on the learner's device answers every worker's games
-                self.server = PolicyServer(actor, device=device, num_workers=self.count, example=factories[0])
+                self.server = PolicyServer(actor, device=device, num_workers=self.count, example=factories[0],
+                                           splits=self.acting_splits)
             worker_policies = self.server.worker_policies()
         self.collector = self.backend.make(
             factories, policy, frames_per_batch=self.frames_per_batch, total_frames=total_frames, dist=self.dist,
