@@ -177,6 +177,8 @@ def main(argv=None):
                    help="frames gathered per PPO update (default: one worker's batch)")
     p.add_argument("--acting", choices=["workers", "server"], default="workers",
                    help="where the policy acts: env workers' CPUs or one inference server")
+    p.add_argument("--acting-splits", type=int, default=1,
+                   help="with --acting server: groups of each worker's games that take turns (the trainer's)")
     p.add_argument("--prefetch-batches", type=int, default=None,
                    help="batches the trainer takes from the workers while it learns (default: the trainer's)")
     from torchrl_oni.train.config import COMPILE_MODES
@@ -196,7 +198,7 @@ def main(argv=None):
                       seed=args.seed, logdir=logdir, intrinsic_reward=args.intrinsic_reward, extrinsic_coeff=0.0,
                       intrinsic_coeff=args.intrinsic_coeff, annotator=args.annotator, llm_model=args.llm_model,
                       llm_url=args.llm_url, progress=True, tensorboard=False,
-                      frames_per_update=args.frames_per_update, acting=args.acting,
+                      frames_per_update=args.frames_per_update, acting=args.acting, acting_splits=args.acting_splits,
                       prefetch_batches=args.prefetch_batches, compile=args.compile)
     t0 = time.perf_counter()
     trainer = Trainer.from_config(cfg)
@@ -268,6 +270,7 @@ def main(argv=None):
     result = {
         "frames": int(summary["frames"]), "train_s": round(train_s), "annotator": args.annotator,
         "intrinsic_reward": args.intrinsic_reward, "frames_per_update": cfg.frames_per_update, "acting": args.acting,
+        "acting_splits": args.acting_splits,
         "prefetch_batches": trainer.run.cfg.distributed.prefetch_batches, "compile": args.compile,
         "approved_per_episode_trained": round(tr_ep, 3), "approved_per_episode_random": round(rd_ep, 3),
         "approved_per_1k_steps_trained": round(tr_k, 3), "approved_per_1k_steps_random": round(rd_k, 3),
