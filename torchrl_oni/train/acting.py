@@ -105,6 +105,9 @@ SERVING_SWITCH_INTERVAL_S = 0.0005
 TORCHRL_SHUTDOWN_MESSAGE = "InferenceServer is shutting down."
 
 
+_STOPPED = "the PolicyServer has stopped (shut down, or its thread died): no action for this worker's games"
+
+
 class PolicyServerGone(RuntimeError):
     """A worker policy's server has stopped (or its trainer process is gone): no action will come."""
 
@@ -235,21 +238,18 @@ class WorkerPolicy(TensorDictModuleBase):
         try:
             return self.clients[group].submit(request)
         except MailboxPeerClosedError as err:
-            raise PolicyServerGone("the PolicyServer has stopped (shut down, or its thread died): no action for "
-                                   "this worker's games") from err
+            raise PolicyServerGone(_STOPPED) from err
 
     def wait(self, future) -> TensorDictBase:
         """The answer to a :meth:`submit` (raises :class:`PolicyServerGone` as :meth:`forward` does)."""
         try:
             return self._wait(future)
         except MailboxPeerClosedError as err:
-            raise PolicyServerGone("the PolicyServer has stopped (shut down, or its thread died): no action for "
-                                   "this worker's games") from err
+            raise PolicyServerGone(_STOPPED) from err
 
     def _check_alive(self) -> None:
         if self._alive is not None and not self._alive.is_set():
-            raise PolicyServerGone("the PolicyServer has stopped (shut down, or its thread died): no action for "
-                                   "this worker's games")
+            raise PolicyServerGone(_STOPPED)
 
     def _wait(self, future) -> TensorDictBase:
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
