@@ -410,14 +410,13 @@ class NLEBatchEnv(EnvBase):
                    rows: Optional[range] = None) -> list:
         """One step of every game, or of the games ``rows`` (a ``range``: the other rows of ``out``
         are left alone), written into ``out``; returns the games that ended (ascending)."""
-        if rows is None:
-            games, at, noted = self.games, slice(None), self._all_rows
-        else:
-            games, at, noted = self.games[rows.start:rows.stop], slice(rows.start, rows.stop), rows
+        at = slice(None) if rows is None else slice(rows.start, rows.stop)
+        ks = self._all_rows[at]
+        games = self.games if rows is None else self.games[at]
         outcome = np.array([game.step_core(a) for game, a in zip(games, actions)], np.float64)
         st = dict(out, game_blstats=game_blstats)
-        self._observe(st, None if rows is None else self._all_rows[at])
-        self._note_messages(st, noted)
+        self._observe(st, None if rows is None else ks)  # every game: whole-array copies
+        self._note_messages(st, ks)
         reward = outcome[:, 0].astype(np.float32)
         np.add(self._ep_return[at], reward, out=self._ep_return[at])
         np.add(self._ep_length[at], 1, out=self._ep_length[at])
@@ -430,9 +429,7 @@ class NLEBatchEnv(EnvBase):
         out["end_status"][at] = outcome[:, 3].astype(np.int64)
         out["success"][at] = outcome[:, 4] != 0
         self._episode_into(out, game_blstats, at)
-        if not done.any():
-            return []
-        return (np.flatnonzero(done) + (0 if rows is None else rows.start)).tolist()
+        return ks[done].tolist() if done.any() else []
 
     def _reset_into(self, rows: list, out: dict, game_blstats: np.ndarray) -> None:
         """:meth:`_reset` of the games ``rows`` (a partial reset) written into those rows of ``out``."""

@@ -91,6 +91,12 @@ def _recurrent_transforms(env) -> Optional[tuple]:
     return env.base_env, keys, _key(tracker.init_keys[0])
 
 
+def _by_step(arrays: dict, T: int) -> list:
+    """Step t's views ``[:, t]`` of each ``[K, T, ...]`` array for t < T, then fresh arrays for
+    step T (the root the next carrier starts from)."""
+    return ([{k: a[:, t] for k, a in arrays.items()} for t in range(T)]
+            + [{k: np.empty_like(a[:, 0]) for k, a in arrays.items()}])
+
 
 class _Plan(NamedTuple):
     fields: dict  # name -> root key (tuple) of the env's entries
@@ -116,8 +122,8 @@ class _Memory:
         roots = {k: fr.get(k).numpy() for k in every}
         for k in every:
             roots[k][:, 0] = carrier.get(k).numpy()
-        self.last = {k: np.empty_like(roots[k][:, 0]) for k in every}  # the next carrier's
-        self.roots = [{k: a[:, t] for k, a in roots.items()} for t in range(T)] + [self.last]
+        self.roots = _by_step(roots, T)
+        self.last = self.roots[T]  # the next carrier's
         self.state_out = {k: fr.get(("next",) + k).numpy() for k in self.keys}
         self.init_out = fr.get(("next",) + self.init_key).numpy() if self.init_key else None
 
@@ -247,8 +253,8 @@ class NLERolloutCollector(Collector):
         root = {name: fr.get(key).numpy() for name, key in fields.items()}
         nxt = {name: fr.get(("next",) + key).numpy() for name, key in fields.items()}
         nxt["reward"] = fr.get(("next", "reward")).numpy()
-        new_root = {name: np.empty_like(arr[:, 0]) for name, arr in root.items()}  # the next carrier's
-        roots = [{name: arr[:, t] for name, arr in root.items()} for t in range(T)] + [new_root]
+        roots = _by_step(root, T)
+        new_root = roots[T]  # the next carrier's
         nexts = [{name: arr[:, t] for name, arr in nxt.items()} for t in range(T)]
         carrier = self._carrier
         for name, key in fields.items():
