@@ -24,13 +24,19 @@ another load on the machine slows the rows less than it would wall-clock rates; 
 in ``--rounds`` interleaved rounds and the median round is reported. ``fast_over_torchrl`` is the
 ratio of the two medians.
 
+With ``--concurrent`` (and ``--baseline-code``) the two checkouts' workers run at the same time,
+each a subprocess pinned to a core of its own, the cores swapped every round, and the ratio is
+the median of the rounds' ratios: on a VM whose speed drifts by several per cent from one minute
+to the next, rows that take turns carry that drift into their ratio, rows that run together
+share it (there is no ``torchrl`` row: two cores, two rows).
+
 With ``--acting server`` the worker's policy is a :class:`~torchrl_oni.train.acting.PolicyServer`
 client (each row its own server, a thread of this process), so the rows measure what the worker
 itself spends around the answers (``--arch oni``: ONI's GRU, whose env carries InitTracker and the
 recurrent state's primer).
 
 Usage: ``python benchmarks/collector_throughput.py --seconds 60 [--envs 32] [--rollout 32]
-[--rounds 5] [--arch oni] [--acting server] [--baseline-code DIR]`` or ``--sweep-envs 16 32 64 128``.
+[--rounds 5] [--arch oni] [--acting server] [--baseline-code DIR [--concurrent]]`` or ``--sweep-envs 16 32 64 128``.
 Output: a table, then one JSON line.
 """
 from __future__ import annotations
@@ -43,6 +49,9 @@ import subprocess
 import sys
 import time
 import warnings
+
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
 
 
 def _worker_collector_class(which: str):
@@ -102,7 +111,9 @@ class _Measured:
         cpu = time.thread_time() - start
         # rollouts made on the in-place path so far (None: a collector without it)
         return {"frames": frames, "cpu_s": cpu, "fps": frames / cpu,
-                "in_place_rollouts": getattr(self.collector, "fast_rollouts", None)}
+                "in_place_rollouts": getattr(self.collector, "fast_rollouts", None),
+                # the cores this thread may run on (--concurrent pins each row to one)
+                "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
     def close(self):
         self.collector.shutdown()
@@ -130,10 +141,22 @@ class _Elsewhere:
                              f"failed: {' | '.join(err.strip().splitlines()[-3:])}")
         return json.loads(line)
 
-    def round(self, seconds: float) -> dict:
+    def ask(self, seconds: float) -> None:
+        """Starts a round of ``seconds`` of the collecting thread's CPU time (:meth:`_answer` ends it)."""
         self.proc.stdin.write(f"{seconds}\n")
         self.proc.stdin.flush()
+
+    def round(self, seconds: float) -> dict:
+        self.ask(seconds)
         return self._answer()
+
+    def pin(self, core: int) -> None:
+        """Every thread of the subprocess on ``core`` only."""
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), {core})
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
 
     def close(self):
         try:
@@ -167,6 +190,59 @@ def _rounds(rows: dict, args) -> dict:
         for row in rows.values():
             row.close()
     return results
+
+
+def _concurrent_rounds(rows: dict, args, cores: list) -> dict:
+    """``--concurrent``: both rows' rounds at once, each subprocess on a core of its own, the cores
+    swapped every round; the rows are closed at the end."""
+    share = args.seconds / args.rounds
+    results = {name: [] for name in rows}
+    try:
+        for rnd in range(args.rounds):
+            order = cores if rnd % 2 == 0 else cores[::-1]
+            for row, core in zip(rows.values(), order):
+                row.pin(core)
+            for row in rows.values():
+                row.ask(share)
+            for name, row in rows.items():
+                results[name].append(row._answer())
+            print(f"[round {rnd + 1}/{args.rounds}, cores {order}] " + ", ".join(
+                f"{name} {results[name][-1]['fps']:,.0f}" for name in rows) + " frames/s", flush=True)
+    finally:
+        for row in rows.values():
+            row.close()
+    return results
+
+
+def _concurrent(args, cores: list) -> int:
+    """``--concurrent``: this code against ``--baseline-code``, both at once on a core each."""
+    how = dict(arch=args.arch, acting=args.acting)
+    rows = {"fast": _Elsewhere(_HERE, args.envs, args.rollout, **how),
+            "baseline-code": _Elsewhere(args.baseline_code, args.envs, args.rollout, **how)}
+    results = _concurrent_rounds(rows, args, cores)
+    fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
+    paired = [f["fps"] / b["fps"] for f, b in zip(results["fast"], results["baseline-code"])]
+    print(f"\none worker's collector, this code and --baseline-code at once, one core each (swapped every round): "
+          f"{args.envs} games, rollout {args.rollout}, {args.arch} policy, 1 torch thread; frames per CPU second "
+          f"of the collecting thread, median of {args.rounds} round(s)")
+    print(f"{'row':<15} {'collector':<22} {'frames/s':>10}")
+    for name, row in rows.items():
+        print(f"{name:<15} {row.kind:<22} {fps[name]:>10,.0f}")
+    print(f"this code / baseline, round by round: {', '.join(f'{r:.3f}' for r in paired)}; "
+          f"median {statistics.median(paired):.3f}")
+    print(json.dumps({"benchmark": "collector_throughput", "concurrent": True, "cores": cores,
+                      "envs": args.envs, "rollout": args.rollout, "arch": args.arch, "acting": args.acting,
+                      "seconds": args.seconds, "rounds": args.rounds, "cpu_count": os.cpu_count(),
+                      "fps": {name: round(v) for name, v in fps.items()},
+                      "rounds_fps": {name: [round(r["fps"]) for r in res] for name, res in results.items()},
+                      "collectors": {name: row.kind for name, row in rows.items()},
+                      "baseline_code": args.baseline_code,
+                      # each round's two rows ran at the same moments: the ratio is read round by round
+                      "fast_over_baseline_code_rounds": [round(r, 3) for r in paired],
+                      # the cores the rows' collecting threads ran on, round by round ([fast, baseline])
+                      "rounds_cores": [f["cpus"] + b["cpus"] for f, b in zip(results["fast"], results["baseline-code"])],
+                      "fast_over_baseline_code": round(statistics.median(paired), 3)}))
+    return 0
 
 
 def _sweep(args) -> int:
@@ -209,6 +285,10 @@ def main(argv=None) -> int:
     p.add_argument("--acting", default="workers", choices=("workers", "server"),
                    help="workers: the worker's own copy acts (default); server: a PolicyServer thread of this "
                         "process acts, and the rows measure the worker's own CPU time around its answers")
+    p.add_argument("--concurrent", action="store_true",
+                   help="with --baseline-code: run this code's worker and the baseline's at once, each a "
+                        "subprocess on a core of its own, cores swapped every round (the machine's drift then "
+                        "falls on both alike; the ratio is the median of the rounds' ratios)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a --baseline-code subprocess
     args = p.parse_args(argv)
     if not args.seconds > 0:
@@ -228,10 +308,18 @@ def main(argv=None) -> int:
             p.error("--sweep-envs measures this code alone: leave out --baseline-code")
         if (args.arch, args.acting) != ("light", "workers"):
             p.error("--sweep-envs measures the light policy on the worker: leave out --arch and --acting")
+    if args.concurrent:
+        if not args.baseline_code:
+            p.error("--concurrent runs this code beside --baseline-code DIR: give it")
+        cores = sorted(os.sched_getaffinity(0))[:2] if hasattr(os, "sched_getaffinity") else []
+        if len(cores) < 2:
+            p.error("--concurrent needs two cores this process may use (and Linux's sched_setaffinity)")
     if args.serve:
         return _serve(args.envs, args.rollout, args.arch, args.acting)
     if args.sweep_envs is not None:
         return _sweep(args)
+    if args.concurrent:
+        return _concurrent(args, cores)
 
     how = dict(arch=args.arch, acting=args.acting)
     rows = {"torchrl": _Measured("torchrl", args.envs, args.rollout, **how),

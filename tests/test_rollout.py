@@ -1,5 +1,6 @@
 """The in-place rollout (torchrl_oni/train/_rollout.py) against TorchRL's own ``Collector``: the same
 batches, leaf by leaf, and the same carrier after each, on the fast path and on every fallback."""
+import os
 import warnings
 
 import pytest
@@ -214,6 +215,32 @@ def test_collector_throughput_benchmark_smoke():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--concurrent pins two rows to two cores")
+def test_collector_throughput_runs_both_checkouts_at_once_on_a_core_each():
+    """--concurrent: this code and --baseline-code measured at the same moments, each pinned to a
+    core of its own, the cores swapped every round; the ratio is read round by round."""
+    from helpers import BENCH, bench_json
+
+    result, table = bench_json([BENCH / "collector_throughput.py", "--seconds", "3", "--envs", "2", "--rollout",
+                                "4", "--rounds", "2", "--concurrent", "--baseline-code", BENCH.parent])
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    assert result["concurrent"] and result["rounds_cores"] == [[a, b], [b, a]]
+    assert result["collectors"] == {"fast": "NLERolloutCollector", "baseline-code": "NLERolloutCollector"}
+    ratios = [f / g for f, g in zip(result["rounds_fps"]["fast"], result["rounds_fps"]["baseline-code"])]
+    assert result["fast_over_baseline_code_rounds"] == pytest.approx(ratios, abs=2e-3)
+    assert result["fast_over_baseline_code"] == pytest.approx(sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2, abs=2e-3)
+    assert "round by round" in table
+
+
+def test_collector_throughput_concurrent_needs_two_cores(monkeypatch, capfd):
+    from helpers import BENCH, script_exit
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    code, err = script_exit(BENCH / "collector_throughput.py", ["--concurrent", "--baseline-code", BENCH.parent], capfd)
+    assert code == 2 and "needs two cores" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
 def test_collector_throughput_serves_the_recurrent_policy_smoke():
     """--arch oni --acting server: the rows' workers ask a policy server thread; the in-place row
     takes the in-place path with InitTracker and the primed state (tests above: the same batches)."""
@@ -242,7 +269,8 @@ def test_collector_throughput_sweeps_games_per_worker():
                                         (["--sweep-envs", "16", "0"], "every K must be >= 1"),
                                         (["--sweep-envs", "16", "--baseline-code", "."], "leave out --baseline-code"),
                                         (["--sweep-envs", "16", "--acting", "server"], "leave out --arch and --acting"),
-                                        (["--baseline-code", "/no/such/dir"], "no torchrl_oni package there")])
+                                        (["--baseline-code", "/no/such/dir"], "no torchrl_oni package there"),
+                                        (["--concurrent"], "give it")])
 def test_collector_throughput_rejects_bad_input_in_one_line(flags, said, capfd):
     from helpers import BENCH, script_exit
 
