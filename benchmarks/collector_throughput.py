@@ -131,24 +131,24 @@ class _Elsewhere:
             [sys.executable, os.path.abspath(__file__), "--serve", "--envs", str(envs), "--rollout", str(rollout),
              "--arch", arch, "--acting", acting],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=code_dir)
-        self.kind = self._answer()["kind"]
+        self.kind = self.answer()["kind"]
 
-    def _answer(self) -> dict:
+    def answer(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
             err = self.proc.stderr.read()[-2000:]
-            raise SystemExit(f"collector_throughput.py: error: the run with --baseline-code {self.code_dir} "
+            raise SystemExit(f"collector_throughput.py: error: the worker of the checkout {self.code_dir} "
                              f"failed: {' | '.join(err.strip().splitlines()[-3:])}")
         return json.loads(line)
 
     def ask(self, seconds: float) -> None:
-        """Starts a round of ``seconds`` of the collecting thread's CPU time (:meth:`_answer` ends it)."""
+        """Starts a round of ``seconds`` of the collecting thread's CPU time (:meth:`answer` ends it)."""
         self.proc.stdin.write(f"{seconds}\n")
         self.proc.stdin.flush()
 
     def round(self, seconds: float) -> dict:
         self.ask(seconds)
-        return self._answer()
+        return self.answer()
 
     def pin(self, core: int) -> None:
         """Every thread of the subprocess on ``core`` only."""
@@ -176,37 +176,27 @@ def _serve(envs: int, rollout: int, arch: str, acting: str) -> int:
     return 0
 
 
-def _rounds(rows: dict, args) -> dict:
-    """Every row's rounds, interleaved; the rows are closed at the end."""
-    share = args.seconds / (args.rounds * len(rows))
+def _rounds(rows: dict, args, cores: list = None) -> dict:
+    """Every row's rounds, interleaved; the rows are closed at the end. With ``cores``
+    (``--concurrent``: two subprocess rows) the rows run each round at once, each pinned to a core
+    of its own, the cores swapped every round."""
+    share = args.seconds / (args.rounds * (1 if cores else len(rows)))
     results = {name: [] for name in rows}
     try:
         for rnd in range(args.rounds):
-            for name, row in rows.items():
-                results[name].append(row.round(share))
-            print(f"[round {rnd + 1}/{args.rounds}] " + ", ".join(
-                f"{name} {results[name][-1]['fps']:,.0f}" for name in rows) + " frames/s", flush=True)
-    finally:
-        for row in rows.values():
-            row.close()
-    return results
-
-
-def _concurrent_rounds(rows: dict, args, cores: list) -> dict:
-    """``--concurrent``: both rows' rounds at once, each subprocess on a core of its own, the cores
-    swapped every round; the rows are closed at the end."""
-    share = args.seconds / args.rounds
-    results = {name: [] for name in rows}
-    try:
-        for rnd in range(args.rounds):
-            order = cores if rnd % 2 == 0 else cores[::-1]
-            for row, core in zip(rows.values(), order):
-                row.pin(core)
-            for row in rows.values():
-                row.ask(share)
-            for name, row in rows.items():
-                results[name].append(row._answer())
-            print(f"[round {rnd + 1}/{args.rounds}, cores {order}] " + ", ".join(
+            said = ""
+            if cores:
+                order = cores if rnd % 2 == 0 else cores[::-1]
+                for row, core in zip(rows.values(), order):
+                    row.pin(core)
+                    row.ask(share)
+                for name, row in rows.items():
+                    results[name].append(row.answer())
+                said = f", cores {order}"
+            else:
+                for name, row in rows.items():
+                    results[name].append(row.round(share))
+            print(f"[round {rnd + 1}/{args.rounds}{said}] " + ", ".join(
                 f"{name} {results[name][-1]['fps']:,.0f}" for name in rows) + " frames/s", flush=True)
     finally:
         for row in rows.values():
@@ -219,7 +209,7 @@ def _concurrent(args, cores: list) -> int:
     how = dict(arch=args.arch, acting=args.acting)
     rows = {"fast": _Elsewhere(_HERE, args.envs, args.rollout, **how),
             "baseline-code": _Elsewhere(args.baseline_code, args.envs, args.rollout, **how)}
-    results = _concurrent_rounds(rows, args, cores)
+    results = _rounds(rows, args, cores)
     fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
     paired = [f["fps"] / b["fps"] for f, b in zip(results["fast"], results["baseline-code"])]
     print(f"\none worker's collector, this code and --baseline-code at once, one core each (swapped every round): "
