@@ -498,6 +498,41 @@ def test_sigterm_ends_a_run_with_a_stopped_worker_in_bounded_time(tmp_path, monk
     assert load_checkpoint(os.path.join(tmp_path, "checkpoint.pt"))["frames"] > 0
 
 
+def test_a_stop_that_something_swallows_still_ends_the_run(tmp_path, monkeypatch, capsys):
+    # Code on the trainer's thread that swallows every exception (here, around the actor's pass in
+    # the loss) can take the stop the handler raises: the run must still end as stopped at its next
+    # batch, and a later SIGTERM must still be heard, instead of training on to its last frame.
+    from torchrl_oni.train import cli, policy
+
+    _, argv = _cli_run(tmp_path, monkeypatch)
+    forward = policy.LightNet.forward
+    sent = []
+
+    def in_the_loss():
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "_get_cur_log_prob":
+            frame = frame.f_back
+        return frame is not None
+
+    def forward_swallowing_a_stop(self, *args, **kwargs):
+        if not sent and in_the_loss():
+            sent.append(time.monotonic())
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # the handler runs here at the latest
+            except BaseException:  # noqa: BLE001 — the swallowing this test is about
+                sent.append("swallowed")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(policy.LightNet, "forward", forward_swallowing_a_stop)
+    assert cli.main(argv) == 128 + signal.SIGTERM
+    assert sent[1:] == ["swallowed"], "the handler raised inside the swallowing code"
+    err = capsys.readouterr().err
+    assert "SIGTERM: checkpoint and caption store saved" in err and "Traceback" not in err
+    frames = load_checkpoint(os.path.join(tmp_path, "checkpoint.pt"))["frames"]
+    assert 0 < frames < 256 * 400, "stopped, not trained to the end"
+
+
 def test_a_stop_signal_inside_the_ppo_loss_ends_the_run_as_stopped(tmp_path, monkeypatch, capsys):
     # TorchRL's PPO loss runs the actor inside a context manager that answers any exception raised
     # in it with "Converting a tensordict to boolean value is not permitted": a SIGTERM that lands

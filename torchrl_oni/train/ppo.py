@@ -81,7 +81,10 @@ def _stop_on_signals():
     """Turns SIGINT/SIGTERM/SIGUSR1 into :class:`TrainingStopped` in the training loop, so the
     loop's ``finally`` saves the checkpoint and the caption store. SLURM sends SIGUSR1 (with
     ``--signal=USR1@120``) or SIGTERM before preemption, ``timeout`` and ``docker stop`` SIGTERM.
-    Signals that arrive while the final save runs are ignored: the save must complete."""
+    Signals that arrive while the final save runs are ignored: the save must complete. Until it
+    starts, every signal raises again and the loop also stops at its next batch once one has
+    arrived: code that swallows every exception (the stop among them) must not leave a run that
+    no later SIGTERM can end."""
     state = _StopState()
     if threading.current_thread() is not threading.main_thread():
         yield state  # signal handlers can only be installed from the main thread
@@ -89,7 +92,7 @@ def _stop_on_signals():
 
     def handler(signum, frame):
         if not state.saving:
-            state.saving, state.signum = True, signum
+            state.signum = signum
             raise TrainingStopped(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
@@ -356,6 +359,8 @@ class Trainer:
             clock = self.clock
             pending: List[TensorDictBase] = []  # batches gathered for the next update
             for batch in batches:
+                if stopping.signum is not None:  # a stop that something on the way swallowed
+                    raise TrainingStopped(stopping.signum)
                 t_got = time.perf_counter()
                 clock.add("wait", t_got - t_wait)
                 self.time_collect += t_got - t_wait
