@@ -287,11 +287,14 @@ class NLERolloutCollector(Collector):
         # are rows in order: ended games take new trajectory ids in TorchRL's row order.
         pending = [ask(g, 0) for g in range(splits)] if net is None else None
         done_rows: list = []
+        actions = None
         for t in range(T):
             if net is not None:  # PlainStep's own step (feed-forward), on the batch's views
                 logits = net(*(x[:, t] for x in inputs))
-                for dest, value in zip(policy_out, (logits, *step.draw(logits, plan.random))):
+                drawn = (logits, *step.draw(logits, plan.random))
+                for dest, value in zip(policy_out, drawn):
                     dest[:, t] = value
+                actions = drawn[action_at].tolist()
             if track:
                 traj_out[:, t] = traj
             # the games: step t's next-observation, then the root of step t + 1
@@ -303,8 +306,8 @@ class NLERolloutCollector(Collector):
                     answer = policy.wait(pending[g])
                     for dest, key in zip(policy_out, plan.policy_keys):
                         dest[at, t] = answer.get(key)
-                action = policy_out[action_at][at, t]
-                ended = base._step_into(action.tolist(), out, game_blstats, None if splits == 1 else rows)
+                    actions = answer.get(plan.policy_keys[action_at]).tolist()
+                ended = base._step_into(actions, out, game_blstats, None if splits == 1 else rows)
                 for name in carried:
                     np.copyto(then[name][at], out[name][at])
                 if ended:
@@ -312,7 +315,8 @@ class NLERolloutCollector(Collector):
                     if track:  # TorchRL's _update_traj_ids: new ids from the pool, in row order
                         traj[ended] = self._traj_pool.get_traj_and_increment(len(ended), device="cpu").numpy()
                     done_rows += ended
-                memory.carry(t, at, ended)
+                if memory.keys or memory.init_key:
+                    memory.carry(t, at, ended)
                 if net is None and t + 1 < T:
                     pending[g] = ask(g, t + 1)
         base._adopt_state(new_root, game_blstats)
