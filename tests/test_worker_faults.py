@@ -498,6 +498,14 @@ def test_sigterm_ends_a_run_with_a_stopped_worker_in_bounded_time(tmp_path, monk
     assert load_checkpoint(os.path.join(tmp_path, "checkpoint.pt"))["frames"] > 0
 
 
+def _in_the_ppo_loss() -> bool:
+    """Whether the caller runs inside TorchRL's PPO loss (the actor's pass there)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "_get_cur_log_prob":
+        frame = frame.f_back
+    return frame is not None
+
+
 def test_a_stop_that_something_swallows_still_ends_the_run(tmp_path, monkeypatch, capsys):
     # Code on the trainer's thread that swallows every exception (here, around the actor's pass in
     # the loss) can take the stop the handler raises: the run must still end as stopped at its next
@@ -508,14 +516,8 @@ def test_a_stop_that_something_swallows_still_ends_the_run(tmp_path, monkeypatch
     forward = policy.LightNet.forward
     sent = []
 
-    def in_the_loss():
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_name != "_get_cur_log_prob":
-            frame = frame.f_back
-        return frame is not None
-
     def forward_swallowing_a_stop(self, *args, **kwargs):
-        if not sent and in_the_loss():
+        if not sent and _in_the_ppo_loss():
             sent.append(time.monotonic())
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -543,14 +545,8 @@ def test_a_stop_signal_inside_the_ppo_loss_ends_the_run_as_stopped(tmp_path, mon
     forward = policy.LightNet.forward
     sent = []
 
-    def in_the_loss():
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_name != "_get_cur_log_prob":
-            frame = frame.f_back
-        return frame is not None
-
     def forward_then_stop(self, *args, **kwargs):
-        if not sent and in_the_loss():  # the actor's pass in TorchRL's PPO loss
+        if not sent and _in_the_ppo_loss():  # the actor's pass in TorchRL's PPO loss
             sent.append(time.monotonic())
             os.kill(os.getpid(), signal.SIGTERM)
         return forward(self, *args, **kwargs)
