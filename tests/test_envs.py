@@ -157,10 +157,21 @@ def test_a_step_answers_the_prompt_it_meets_and_only_then():
     touched, and a game that ended leaves its last prompt alone."""
 
     class Scripted(_ScriptedNetHack):
+        """Both faces of NLE's ``Nethack``: its ``step`` (what ``_known_steps`` calls) and the
+        compiled game behind it, ``_pynethack``, with the buffers ``_obs`` (what ``step_core``
+        calls)."""
+
+        def __init__(self, env, frames):
+            super().__init__(env, frames)
+            self._pynethack, self._obs, self._done = self, None, False
+
         def step(self, key):
             self.keys.append(key)
-            frame, done = self.frames.pop(0)
-            return frame, done
+            self._obs, self._done = self.frames.pop(0)
+            return self._obs, self._done
+
+        def done(self):
+            return self._done
 
         def in_normal_game(self):
             return True

@@ -277,18 +277,22 @@ class NLEBatchEnv(EnvBase):
 
     def _note_messages(self, st: dict, rows) -> None:
         """Per-episode message counts, caption hashes and game statistics of ``rows``."""
+        games, counts_of, hash_of = self.games, self._counts, self._hash
+        known = hash_of.table  # looked up here: a call per game fewer for the messages seen before
         counts, hashes, scout, kills, dead = [], [], [], [], []
-        for i in rows:
-            notes = self.games[i].step_notes()
-            raw = notes.message
-            seen = self._counts[i]
+        for i in rows.tolist() if isinstance(rows, np.ndarray) else rows:
+            raw, tiles, killed, in_game, last_in_game = games[i].step_notes()
+            seen = counts_of[i]
             n = seen[raw] = seen.get(raw, 0) + 1
             counts.append(n)
-            hashes.append(self._hash(raw))
-            scout.append(notes.scout)
-            kills.append(notes.kills)
-            if not notes.in_game:
-                dead.append((i, notes.game_blstats))
+            h = known.get(raw)
+            hashes.append(hash_of(raw) if h is None else h)
+            scout.append(tiles)
+            kills.append(killed)
+            if not in_game:
+                dead.append((i, last_in_game))
+        if len(counts) == self.num_envs:  # every game (rows never repeat): whole columns, no index arrays
+            rows = slice(None)
         st["count"][rows] = counts
         st["hash"][rows] = hashes
         st["scout"][rows] = scout

@@ -288,12 +288,15 @@ class NLERolloutCollector(Collector):
         pending = [ask(g, 0) for g in range(splits)] if net is None else None
         done_rows: list = []
         actions = None
+        if net is not None:  # each step's views of the batch, made at once (indexing is a call per view)
+            inputs_at = list(zip(*(x.unbind(1) for x in inputs)))
+            outputs_at = list(zip(*(dest.unbind(1) for dest in policy_out)))
         for t in range(T):
             if net is not None:  # PlainStep's own step (feed-forward), on the batch's views
-                logits = net(*(x[:, t] for x in inputs))
+                logits = net(*inputs_at[t])
                 drawn = (logits, *step.draw(logits, plan.random))
-                for dest, value in zip(policy_out, drawn):
-                    dest[:, t] = value
+                for dest, value in zip(outputs_at[t], drawn):
+                    dest.copy_(value)
                 actions = drawn[action_at].tolist()
             if track:
                 traj_out[:, t] = traj
