@@ -17,7 +17,8 @@ row                         what collects
 
 With ``--sweep-envs K1 K2 ...`` the rows are instead this code's worker collector at each number
 of games per worker (the worker's cache against its fixed costs per step and per batch: how
-many games a worker should play), each against the first K.
+many games a worker should play), each against the first K; with ``--concurrent`` and two K, the
+two run at once as below.
 
 Frames/s are frames over the CPU time of the collecting thread (``time.thread_time()``), so
 another load on the machine slows the rows less than it would wall-clock rates; rows take turns
@@ -36,7 +37,8 @@ itself spends around the answers (``--arch oni``: ONI's GRU, whose env carries I
 recurrent state's primer).
 
 Usage: ``python benchmarks/collector_throughput.py --seconds 60 [--envs 32] [--rollout 32]
-[--rounds 5] [--arch oni] [--acting server] [--baseline-code DIR [--concurrent]]`` or ``--sweep-envs 16 32 64 128``.
+[--rounds 5] [--arch oni] [--acting server] [--baseline-code DIR [--concurrent]]`` or ``--sweep-envs 16 32 64 128``
+(``--sweep-envs 16 32 --concurrent``).
 Output: a table, then one JSON line.
 """
 from __future__ import annotations
@@ -235,26 +237,46 @@ def _concurrent(args, cores: list) -> int:
     return 0
 
 
-def _sweep(args) -> int:
-    """``--sweep-envs``: this code's worker collector at each number of games per worker."""
+def _sweep(args, cores: list = None) -> int:
+    """``--sweep-envs``: this code's worker collector at each number of games per worker; with
+    ``cores`` (``--concurrent``, two K) both at once, each a subprocess on a core of its own, and
+    the ratio read round by round."""
     ks = list(dict.fromkeys(args.sweep_envs))
-    rows = {f"K={k}": _Measured("own", k, args.rollout) for k in ks}
+    if cores:
+        rows = {f"K={k}": _Elsewhere(_HERE, k, args.rollout) for k in ks}
+    else:
+        rows = {f"K={k}": _Measured("own", k, args.rollout) for k in ks}
     kind = next(iter(rows.values())).kind
-    results = _rounds(rows, args)
+    results = _rounds(rows, args, cores)
     fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
     first = fps[f"K={ks[0]}"]
-    print(f"\none worker's collector ({kind}) in this process by games per worker: rollout {args.rollout}, light "
-          f"policy, 1 torch thread; frames per CPU second of the collecting thread, median of {args.rounds} round(s)")
+    if cores:  # each K against the first in the same round, then the median of those ratios
+        rounds_vs_first = {str(k): [r["fps"] / f["fps"] for r, f in zip(results[f"K={k}"], results[f"K={ks[0]}"])]
+                           for k in ks}
+        vs_first = {k: statistics.median(v) for k, v in rounds_vs_first.items()}
+        where = "two subprocesses at once, one core each (swapped every round)"
+    else:
+        vs_first = {str(k): fps[f"K={k}"] / first for k in ks}
+        where = "in this process"
+    print(f"\none worker's collector ({kind}) {where} by games per worker: rollout {args.rollout}, light "
+          f"policy, 1 torch thread; frames per CPU second of the collecting thread, median of {args.rounds} round(s)"
+          + ("; the ratio is the median of the rounds' ratios" if cores else ""))
     print(f"{'games':>6} {'frames/s':>10} {'vs K=' + str(ks[0]):>9}")
     for k in ks:
-        print(f"{k:>6} {fps[f'K={k}']:>10,.0f} {fps[f'K={k}'] / first:>8.2f}x")
-    best = max(ks, key=lambda k: fps[f"K={k}"])
-    print(json.dumps({"benchmark": "collector_throughput", "sweep_envs": ks, "rollout": args.rollout,
-                      "seconds": args.seconds, "rounds": args.rounds, "cpu_count": os.cpu_count(), "collector": kind,
-                      "fps": {str(k): round(fps[f"K={k}"]) for k in ks},
-                      "vs_first": {str(k): round(fps[f"K={k}"] / first, 3) for k in ks},
-                      "rounds_fps": {str(k): [round(r["fps"]) for r in results[f"K={k}"]] for k in ks},
-                      "fastest": best}))
+        print(f"{k:>6} {fps[f'K={k}']:>10,.0f} {vs_first[str(k)]:>8.2f}x")
+    best = max(ks, key=lambda k: vs_first[str(k)])
+    out = {"benchmark": "collector_throughput", "sweep_envs": ks, "rollout": args.rollout,
+           "seconds": args.seconds, "rounds": args.rounds, "cpu_count": os.cpu_count(), "collector": kind,
+           "fps": {str(k): round(fps[f"K={k}"]) for k in ks},
+           "vs_first": {k: round(v, 3) for k, v in vs_first.items()},
+           "rounds_fps": {str(k): [round(r["fps"]) for r in results[f"K={k}"]] for k in ks},
+           "fastest": best}
+    if cores:
+        out.update(concurrent=True, cores=cores,
+                   vs_first_rounds={k: [round(r, 3) for r in v] for k, v in rounds_vs_first.items()},
+                   # the cores the rows' collecting threads ran on, round by round (in --sweep-envs order)
+                   rounds_cores=[sum((results[f"K={k}"][i]["cpus"] for k in ks), []) for i in range(args.rounds)])
+    print(json.dumps(out))
     return 0
 
 
@@ -278,7 +300,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrent", action="store_true",
                    help="with --baseline-code: run this code's worker and the baseline's at once, each a "
                         "subprocess on a core of its own, cores swapped every round (the machine's drift then "
-                        "falls on both alike; the ratio is the median of the rounds' ratios)")
+                        "falls on both alike; the ratio is the median of the rounds' ratios); with two "
+                        "--sweep-envs: the two numbers of games at once, the same way")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a --baseline-code subprocess
     args = p.parse_args(argv)
     if not args.seconds > 0:
@@ -299,15 +322,19 @@ def main(argv=None) -> int:
         if (args.arch, args.acting) != ("light", "workers"):
             p.error("--sweep-envs measures the light policy on the worker: leave out --arch and --acting")
     if args.concurrent:
-        if not args.baseline_code:
-            p.error("--concurrent runs this code beside --baseline-code DIR: give it")
+        if args.sweep_envs is not None:
+            if len(set(args.sweep_envs)) != 2:
+                p.error(f"--concurrent runs two --sweep-envs at once: give two numbers of games, "
+                        f"got {len(set(args.sweep_envs))}")
+        elif not args.baseline_code:
+            p.error("--concurrent runs this code beside --baseline-code DIR (or two --sweep-envs): give it")
         cores = sorted(os.sched_getaffinity(0))[:2] if hasattr(os, "sched_getaffinity") else []
         if len(cores) < 2:
             p.error("--concurrent needs two cores this process may use (and Linux's sched_setaffinity)")
     if args.serve:
         return _serve(args.envs, args.rollout, args.arch, args.acting)
     if args.sweep_envs is not None:
-        return _sweep(args)
+        return _sweep(args, cores if args.concurrent else None)
     if args.concurrent:
         return _concurrent(args, cores)
 

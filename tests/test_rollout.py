@@ -264,13 +264,31 @@ def test_collector_throughput_sweeps_games_per_worker():
     assert "games" in table and "vs K=2" in table
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--concurrent pins two rows to two cores")
+def test_collector_throughput_sweeps_two_numbers_of_games_at_once():
+    """--sweep-envs K1 K2 --concurrent: the two run at the same moments, each pinned to a core of its
+    own, the cores swapped every round; each K's ratio to the first is read round by round."""
+    from helpers import BENCH, bench_json
+
+    result, table = bench_json([BENCH / "collector_throughput.py", "--seconds", "3", "--sweep-envs", "2", "4",
+                                "--rollout", "4", "--rounds", "2", "--concurrent"])
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    assert result["concurrent"] and result["rounds_cores"] == [[a, b], [b, a]]
+    ratios = [f / g for f, g in zip(result["rounds_fps"]["4"], result["rounds_fps"]["2"])]
+    assert result["vs_first_rounds"]["4"] == pytest.approx(ratios, abs=2e-3)
+    assert result["vs_first"]["4"] == pytest.approx(sum(ratios) / 2, abs=2e-3) and result["vs_first"]["2"] == 1.0
+    assert result["fastest"] == (4 if sum(ratios) > 2 else 2) and "one core each" in table
+
+
 @pytest.mark.parametrize("flags,said", [(["--seconds", "0"], "--seconds must be > 0"),
                                         (["--envs", "0"], "--envs must be >= 1"),
                                         (["--sweep-envs", "16", "0"], "every K must be >= 1"),
                                         (["--sweep-envs", "16", "--baseline-code", "."], "leave out --baseline-code"),
                                         (["--sweep-envs", "16", "--acting", "server"], "leave out --arch and --acting"),
                                         (["--baseline-code", "/no/such/dir"], "no torchrl_oni package there"),
-                                        (["--concurrent"], "give it")])
+                                        (["--concurrent"], "give it"),
+                                        (["--sweep-envs", "8", "16", "32", "--concurrent"], "give two numbers of games")])
 def test_collector_throughput_rejects_bad_input_in_one_line(flags, said, capfd):
     from helpers import BENCH, script_exit
 
