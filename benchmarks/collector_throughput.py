@@ -249,14 +249,13 @@ def _sweep(args, cores: list = None) -> int:
     kind = next(iter(rows.values())).kind
     results = _rounds(rows, args, cores)
     fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
-    first = fps[f"K={ks[0]}"]
     if cores:  # each K against the first in the same round, then the median of those ratios
         rounds_vs_first = {str(k): [r["fps"] / f["fps"] for r, f in zip(results[f"K={k}"], results[f"K={ks[0]}"])]
                            for k in ks}
         vs_first = {k: statistics.median(v) for k, v in rounds_vs_first.items()}
         where = "two subprocesses at once, one core each (swapped every round)"
     else:
-        vs_first = {str(k): fps[f"K={k}"] / first for k in ks}
+        vs_first = {str(k): fps[f"K={k}"] / fps[f"K={ks[0]}"] for k in ks}
         where = "in this process"
     print(f"\none worker's collector ({kind}) {where} by games per worker: rollout {args.rollout}, light "
           f"policy, 1 torch thread; frames per CPU second of the collecting thread, median of {args.rounds} round(s)"

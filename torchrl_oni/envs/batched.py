@@ -100,19 +100,18 @@ class GlyphWindows:
         return self._windows[games, np.minimum(np.maximum(y, 0), _MAP_H - 1), np.minimum(np.maximum(x, 0), _MAP_W - 1)]
 
 
-class _HashCache:
-    """bytes → caption hash, memoised: NetHack repeats a few thousand messages endlessly."""
+class _HashCache(dict):
+    """bytes → caption hash, memoised (``cache[raw]``): NetHack repeats a few thousand messages
+    endlessly. A dict whose misses hash, so a message seen before costs a dict lookup, not a call."""
 
     def __init__(self, max_size: int = 200_000):
-        self.table = {}
+        super().__init__()
         self.max_size = max_size
 
-    def __call__(self, raw: bytes) -> int:
-        h = self.table.get(raw)
-        if h is None:
-            if len(self.table) >= self.max_size:
-                self.table.clear()
-            h = self.table[raw] = hash_bytes(raw)
+    def __missing__(self, raw: bytes) -> int:
+        if len(self) >= self.max_size:
+            self.clear()
+        h = self[raw] = hash_bytes(raw)
         return h
 
 
@@ -278,15 +277,13 @@ class NLEBatchEnv(EnvBase):
     def _note_messages(self, st: dict, rows) -> None:
         """Per-episode message counts, caption hashes and game statistics of ``rows``."""
         games, counts_of, hash_of = self.games, self._counts, self._hash
-        known = hash_of.table  # looked up here: a call per game fewer for the messages seen before
         counts, hashes, scout, kills, dead = [], [], [], [], []
         for i in rows.tolist() if isinstance(rows, np.ndarray) else rows:
             raw, tiles, killed, in_game, last_in_game = games[i].step_notes()
             seen = counts_of[i]
             n = seen[raw] = seen.get(raw, 0) + 1
             counts.append(n)
-            h = known.get(raw)
-            hashes.append(hash_of(raw) if h is None else h)
+            hashes.append(hash_of[raw])
             scout.append(tiles)
             kills.append(killed)
             if not in_game:

@@ -167,7 +167,7 @@ class CaptionHash(KeyedTransform, Transform):
                              f"messages, got {messages.dtype} {list(messages.shape)}")
         flat = messages.reshape(-1, MESSAGE_LEN).cpu().numpy()
         # memoised: NetHack repeats a few thousand messages (hash_messages' hash, without rehashing)
-        hashes = np.fromiter((self._cache(message_bytes(row)) for row in flat), dtype=np.int64, count=len(flat))
+        hashes = np.fromiter((self._cache[message_bytes(row)] for row in flat), dtype=np.int64, count=len(flat))
         return torch.from_numpy(hashes).reshape(messages.shape[:-1]).to(messages.device)
 
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:

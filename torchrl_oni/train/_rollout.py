@@ -318,8 +318,7 @@ class NLERolloutCollector(Collector):
                     if track:  # TorchRL's _update_traj_ids: new ids from the pool, in row order
                         traj[ended] = self._traj_pool.get_traj_and_increment(len(ended), device="cpu").numpy()
                     done_rows += ended
-                if memory.keys or memory.init_key:
-                    memory.carry(t, at, ended)
+                memory.carry(t, at, ended)
                 if net is None and t + 1 < T:
                     pending[g] = ask(g, t + 1)
         base._adopt_state(new_root, game_blstats)
