@@ -37,7 +37,7 @@ itself spends around the answers (``--arch oni``: ONI's GRU, whose env carries I
 recurrent state's primer).
 
 Usage: ``python benchmarks/collector_throughput.py --seconds 60 [--envs 32] [--rollout 32]
-[--rounds 5] [--arch oni] [--acting server] [--baseline-code DIR [--concurrent]]`` or ``--sweep-envs 16 32 64 128``
+[--rounds 5] [--arch oni] [--acting server] [--baseline-code DIR [--baseline-envs K] [--concurrent]]`` or ``--sweep-envs 16 32 64 128``
 (``--sweep-envs 16 32 --concurrent``).
 Output: a table, then one JSON line.
 """
@@ -107,12 +107,13 @@ class _Measured:
         next(self.batches)  # warm-up: the first batch, the first games' starts
 
     def round(self, seconds: float) -> dict:
-        frames, start = 0, time.thread_time()
+        frames, games, start = 0, None, time.thread_time()
         while time.thread_time() - start < seconds:
-            frames += next(self.batches).numel()
+            batch = next(self.batches)
+            frames, games = frames + batch.numel(), batch.batch_size[0]
         cpu = time.thread_time() - start
         # rollouts made on the in-place path so far (None: a collector without it)
-        return {"frames": frames, "cpu_s": cpu, "fps": frames / cpu,
+        return {"frames": frames, "cpu_s": cpu, "fps": frames / cpu, "games": games,
                 "in_place_rollouts": getattr(self.collector, "fast_rollouts", None),
                 # the cores this thread may run on (--concurrent pins each row to one)
                 "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
@@ -210,12 +211,13 @@ def _concurrent(args, cores: list) -> int:
     """``--concurrent``: this code against ``--baseline-code``, both at once on a core each."""
     how = dict(arch=args.arch, acting=args.acting)
     rows = {"fast": _Elsewhere(_HERE, args.envs, args.rollout, **how),
-            "baseline-code": _Elsewhere(args.baseline_code, args.envs, args.rollout, **how)}
+            "baseline-code": _Elsewhere(args.baseline_code, args.baseline_envs, args.rollout, **how)}
     results = _rounds(rows, args, cores)
     fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
     paired = [f["fps"] / b["fps"] for f, b in zip(results["fast"], results["baseline-code"])]
     print(f"\none worker's collector, this code and --baseline-code at once, one core each (swapped every round): "
-          f"{args.envs} games, rollout {args.rollout}, {args.arch} policy, 1 torch thread; frames per CPU second "
+          f"{args.envs} games (baseline {args.baseline_envs}), rollout {args.rollout}, {args.arch} policy, "
+          f"1 torch thread; frames per CPU second "
           f"of the collecting thread, median of {args.rounds} round(s)")
     print(f"{'row':<15} {'collector':<22} {'frames/s':>10}")
     for name, row in rows.items():
@@ -223,11 +225,14 @@ def _concurrent(args, cores: list) -> int:
     print(f"this code / baseline, round by round: {', '.join(f'{r:.3f}' for r in paired)}; "
           f"median {statistics.median(paired):.3f}")
     print(json.dumps({"benchmark": "collector_throughput", "concurrent": True, "cores": cores,
-                      "envs": args.envs, "rollout": args.rollout, "arch": args.arch, "acting": args.acting,
+                      "envs": args.envs, "baseline_envs": args.baseline_envs, "rollout": args.rollout,
+                      "arch": args.arch, "acting": args.acting,
                       "seconds": args.seconds, "rounds": args.rounds, "cpu_count": os.cpu_count(),
                       "fps": {name: round(v) for name, v in fps.items()},
                       "rounds_fps": {name: [round(r["fps"]) for r in res] for name, res in results.items()},
                       "collectors": {name: row.kind for name, row in rows.items()},
+                      # games in each row's batches, as collected
+                      "games": {name: res[-1]["games"] for name, res in results.items()},
                       "baseline_code": args.baseline_code,
                       # each round's two rows ran at the same moments: the ratio is read round by round
                       "fast_over_baseline_code_rounds": [round(r, 3) for r in paired],
@@ -289,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every row (default 5)")
     p.add_argument("--baseline-code", metavar="DIR", default=None,
                    help="also measure the worker's collector of the checkout in DIR (today's code)")
+    p.add_argument("--baseline-envs", type=int, default=None, metavar="K",
+                   help="with --baseline-code: the baseline's games per worker (default: --envs), e.g. its own "
+                        "default when this code's differs")
     p.add_argument("--sweep-envs", type=int, nargs="+", metavar="K", default=None,
                    help="instead: this code's worker collector at each number of games per worker")
     p.add_argument("--arch", default="light", choices=("light", "oni"),
@@ -313,6 +321,13 @@ def main(argv=None) -> int:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.baseline_code and not os.path.isdir(os.path.join(args.baseline_code, "torchrl_oni")):
         p.error(f"--baseline-code {args.baseline_code}: no torchrl_oni package there")
+    if args.baseline_envs is not None:
+        if not args.baseline_code:
+            p.error("--baseline-envs describes the --baseline-code run: give --baseline-code DIR")
+        if args.baseline_envs < 1:
+            p.error(f"--baseline-envs must be >= 1, got {args.baseline_envs}")
+    else:
+        args.baseline_envs = args.envs
     if args.sweep_envs is not None:
         if min(args.sweep_envs) < 1:
             p.error(f"--sweep-envs: every K must be >= 1, got {min(args.sweep_envs)}")
@@ -341,7 +356,7 @@ def main(argv=None) -> int:
     rows = {"torchrl": _Measured("torchrl", args.envs, args.rollout, **how),
             "fast": _Measured("own", args.envs, args.rollout, **how)}
     if args.baseline_code:
-        rows["baseline-code"] = _Elsewhere(args.baseline_code, args.envs, args.rollout, **how)
+        rows["baseline-code"] = _Elsewhere(args.baseline_code, args.baseline_envs, args.rollout, **how)
     results = _rounds(rows, args)
     fps = {name: statistics.median(r["fps"] for r in res) for name, res in results.items()}
     ratio = fps["fast"] / fps["torchrl"]
@@ -353,7 +368,7 @@ def main(argv=None) -> int:
     for name, row in rows.items():
         print(f"{name:<15} {row.kind:<22} {fps[name]:>10,.0f} {fps[name] / fps['torchrl']:>10.2f}x")
     out = {"benchmark": "collector_throughput", "envs": args.envs, "rollout": args.rollout, "arch": args.arch,
-           "acting": args.acting,
+           "acting": args.acting, "baseline_envs": args.baseline_envs if args.baseline_code else None,
            "seconds": args.seconds, "rounds": args.rounds, "cpu_count": os.cpu_count(),
            "fps": {name: round(v) for name, v in fps.items()},
            "fast_over_torchrl": round(ratio, 3),

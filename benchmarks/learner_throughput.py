@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 or auto (cuda when there is one)")
     p.add_argument("--arch", nargs="+", default=["light"], help="policy networks: light, oni, oni-lstm")
     p.add_argument("--frames-per-update", nargs="+", type=int, default=[1024],
-                   help="frames per update (default 1024: one worker's 32 games × 32 steps)")
+                   help="frames per update (default 1024: 32 games × 32 steps)")
     p.add_argument("--minibatch-size", type=int, default=None,
                    help="steps per minibatch (default: the whole update on CUDA, 1024 on CPU)")
     p.add_argument("--rollout", type=int, default=32)

@@ -158,6 +158,8 @@ def label_now(cfg, captions):
 
 
 def main(argv=None):
+    from torchrl_oni.train.config import COMPILE_MODES, EnvConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--frames", type=int, default=300_000)
     p.add_argument("--intrinsic-reward", choices=["retrieval", "ellm"], default="retrieval",
@@ -167,7 +169,8 @@ def main(argv=None):
     p.add_argument("--llm-url", default=None)
     p.add_argument("--episodes", type=int, default=64, help="evaluation episodes per policy")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--envs-per-worker", type=int, default=32)
+    p.add_argument("--envs-per-worker", type=int, default=EnvConfig.envs_per_worker,
+                   help=f"games per worker (default {EnvConfig.envs_per_worker}, oni-train's)")
     p.add_argument("--intrinsic-coeff", type=float, default=1.0)
     p.add_argument("--logdir", default=None)
     p.add_argument("--goal-seconds", type=float, default=900.0,
@@ -181,8 +184,6 @@ def main(argv=None):
                    help="with --acting server: groups of each worker's games that take turns (the trainer's)")
     p.add_argument("--prefetch-batches", type=int, default=None,
                    help="batches the trainer takes from the workers while it learns (default: the trainer's)")
-    from torchrl_oni.train.config import COMPILE_MODES
-
     p.add_argument("--compile", choices=COMPILE_MODES,
                    default="off", help="torch.compile of the update (the trainer's --compile)")
     args = p.parse_args(argv)

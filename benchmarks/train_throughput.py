@@ -166,13 +166,14 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
         "prefetch_batches": getattr(record.distributed, "prefetch_batches", None),  # as resolved
         "compile": getattr(record.ppo, "compile", None),
         "acting_splits": getattr(record, "acting_splits", 1),
+        "envs_per_worker": getattr(getattr(record, "env", record), "envs_per_worker", None),  # as resolved
     }
 
 
 def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
     """The same measurement by the package in ``code_dir`` (a subprocess with it first on the path)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one-run", "--seconds", str(seconds), "--workers",
-           str(args.workers), "--envs", str(args.envs), "--rollout", str(args.rollout), "--arch", args.arch,
+           str(args.workers), "--envs", str(args.baseline_envs or args.envs), "--rollout", str(args.rollout), "--arch", args.arch,
            "--device", args.device, "--intrinsic-reward", args.baseline_intrinsic_reward or args.intrinsic_reward,
            "--acting", args.acting]
     for flag, value in (("--frames-per-update", args.frames_per_update), ("--minibatch-size", args.minibatch_size),
@@ -207,6 +208,9 @@ def main(argv=None):
                    help="where the policy acts: env workers' CPUs or one inference server on the learner's device")
     p.add_argument("--acting-splits", type=int, default=None, metavar="N",
                    help="with --acting server: groups of each worker's games that take turns (default: the trainer's)")
+    p.add_argument("--baseline-envs", type=int, default=None, metavar="K",
+                   help="with --baseline-code: the baseline's games per worker (default: --envs), e.g. the "
+                        "default of the code before when this code's differs")
     p.add_argument("--baseline-acting-splits", type=int, default=None, metavar="N",
                    help="with --baseline-code: the baseline's --acting-splits (default: its own default)")
     p.add_argument("--intrinsic-reward", default="none",
@@ -240,6 +244,7 @@ def main(argv=None):
         return 0
     base = None
     orphans = [flag for flag, given in (("--baseline-intrinsic-reward", args.baseline_intrinsic_reward is not None),
+                                        ("--baseline-envs", args.baseline_envs is not None),
                                         ("--baseline-prefetch-batches", args.baseline_prefetch_batches is not None),
                                         ("--baseline-compile", args.baseline_compile is not None),
                                         ("--baseline-acting-splits", args.baseline_acting_splits is not None),
@@ -257,7 +262,8 @@ def main(argv=None):
         main_run = sorted(mine, key=lambda r: r["fps"])[len(mine) // 2]  # the median round
         base = sorted(theirs, key=lambda r: r["fps"])[len(theirs) // 2]
         rows = [(f"this code: {args.workers} workers x {args.envs} games", main_run),
-                (f"--baseline-code {os.path.basename(os.path.abspath(args.baseline_code))}", base)]
+                (f"--baseline-code {os.path.basename(os.path.abspath(args.baseline_code))}"
+                 + (f": {args.workers} x {args.baseline_envs}" if args.baseline_envs else ""), base)]
     else:
         share = args.seconds if args.no_baseline else args.seconds * 0.65
         main_run = run(share, args.workers, args.envs, args.rollout, args.arch, args.device, **settings)
@@ -286,7 +292,8 @@ def main(argv=None):
         "collect_fraction": round(main_run["collect_fraction"], 3),
         "learn_fraction": round(1 - main_run["collect_fraction"], 3),
         "workers": args.workers,
-        "envs_per_worker": args.envs,
+        "envs_per_worker": main_run["envs_per_worker"],
+        "baseline_envs_per_worker": base.get("envs_per_worker") if base else None,
         "arch": args.arch,
         "acting": args.acting,
         "intrinsic_reward": args.intrinsic_reward,

@@ -82,7 +82,7 @@ def test_oni_train_names_a_goal_table_dir_that_is_not_there(tmp_path, capfd):
 
     done = main_in_process(main, ["--intrinsic-reward", "ellm", "--annotator", "scripted", "--ellm-encoder", "hashed",
                                   "--ellm-goal-conditioned", "--ellm-goal-table-dir", tmp_path / "nope", "--logdir",
-                                  tmp_path / "run", "--frames", "1024"], capfd)
+                                  tmp_path / "run", "--frames", "4096"], capfd)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"oni-train: error: --ellm-goal-table-dir {tmp_path / 'nope'}: no such directory"

@@ -13,6 +13,7 @@ from tensordict import TensorDict
 
 from helpers import poll
 from torchrl_oni.captions import encode_messages, hash_messages
+from torchrl_oni.reward_hacking import MIN_APPROVED_WINDOW
 from torchrl_oni.testing import FakeLLMServer
 from torchrl_oni.train import TrainConfig
 from torchrl_oni.train.labelling_health import LabellingHealth, duration
@@ -215,6 +216,32 @@ def test_a_reward_that_pays_almost_no_step_is_named_unless_the_agent_finds_more_
         assert hook.summary_lines(labelled)[0] == (
             f"approved captions per episode: 1.00 in the first {APPROVED_WINDOW} episodes, 3.00 in the last "
             f"{APPROVED_WINDOW}")
+    finally:
+        hook.close(save=False)
+
+
+@pytest.mark.parametrize("episodes,told", [(150, True), (2 * MIN_APPROVED_WINDOW - 1, False)])
+def test_a_run_with_fewer_episodes_than_two_windows_compares_its_halves(tmp_path, episodes, told):
+    """Many games and long episodes end fewer than 2 x APPROVED_WINDOW episodes in a short run:
+    its first half is compared with its last, and an agent that finds more of what ONI pays is
+    not called one the reward cannot steer; with too few episodes for halves of
+    MIN_APPROVED_WINDOW the run says nothing of the trend (and the warning stands)."""
+    hook = _hook(tmp_path, annotator="scripted")
+    try:
+        labelled = {"labels/labelled": 400, "labels/positive_fraction": 0.1, "labels/seen_coverage": 0.99}
+        hook._window.run_steps, hook._window.run_rewarded = 100_000, 120
+        half = episodes // 2
+        for k in range(episodes):  # 1 approved caption an episode in the first half, 3 after it
+            n = 1 if k < episodes - half else 3
+            hook.hacking.tally.add_episode(list(range(n)), [1.0] * n, list(range(1, n + 1)), 50, False)
+        lines = hook.summary_lines(labelled)
+        if told:
+            assert lines[0] == (f"approved captions per episode: 1.00 in the first {half} episodes, 3.00 in "
+                                f"the last {half}")
+            assert hook._paid_problem(labelled) is None
+        else:
+            assert not any(line.startswith("approved captions per episode") for line in lines)
+            assert hook._paid_problem(labelled).startswith("the intrinsic reward paid only 0.12%")
     finally:
         hook.close(save=False)
 

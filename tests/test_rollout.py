@@ -218,11 +218,14 @@ def test_collector_throughput_benchmark_smoke():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--concurrent pins two rows to two cores")
 def test_collector_throughput_runs_both_checkouts_at_once_on_a_core_each():
     """--concurrent: this code and --baseline-code measured at the same moments, each pinned to a
-    core of its own, the cores swapped every round; the ratio is read round by round."""
+    core of its own, the cores swapped every round; the ratio is read round by round. The baseline
+    plays its own number of games (--baseline-envs: a default that changed)."""
     from helpers import BENCH, bench_json
 
     result, table = bench_json([BENCH / "collector_throughput.py", "--seconds", "3", "--envs", "2", "--rollout",
-                                "4", "--rounds", "2", "--concurrent", "--baseline-code", BENCH.parent])
+                                "4", "--rounds", "2", "--concurrent", "--baseline-code", BENCH.parent,
+                                "--baseline-envs", "3"])
+    assert result["games"] == {"fast": 2, "baseline-code": 3} and result["baseline_envs"] == 3
     a, b = sorted(os.sched_getaffinity(0))[:2]
     assert result["concurrent"] and result["rounds_cores"] == [[a, b], [b, a]]
     assert result["collectors"] == {"fast": "NLERolloutCollector", "baseline-code": "NLERolloutCollector"}
@@ -288,6 +291,8 @@ def test_collector_throughput_sweeps_two_numbers_of_games_at_once():
                                         (["--sweep-envs", "16", "--acting", "server"], "leave out --arch and --acting"),
                                         (["--baseline-code", "/no/such/dir"], "no torchrl_oni package there"),
                                         (["--concurrent"], "give it"),
+                                        (["--baseline-envs", "16"], "give --baseline-code"),
+                                        (["--baseline-envs", "0", "--baseline-code", "."], "must be >= 1"),
                                         (["--sweep-envs", "8", "16", "32", "--concurrent"], "give two numbers of games")])
 def test_collector_throughput_rejects_bad_input_in_one_line(flags, said, capfd):
     from helpers import BENCH, script_exit

@@ -38,12 +38,14 @@ def test_train_throughput_smoke():
 
 def test_train_throughput_against_baseline_settings_smoke():
     """The A/B of a setting in one run: this code with --prefetch-batches 2 against the same code
-    (--baseline-code) with 0; both sides get the same --frames-per-update."""
+    (--baseline-code) with 0; both sides get the same --frames-per-update. The baseline plays its
+    own number of games per worker (--baseline-envs: a default that changed)."""
     root = str(BENCH.parent)
     result, table = bench_json([BENCH / "train_throughput.py", "--seconds", "4", "--workers", "1", "--envs", "4",
                                 "--frames-per-update", "256", "--prefetch-batches", "2", "--baseline-code", root,
-                                "--baseline-prefetch-batches", "0"])
+                                "--baseline-prefetch-batches", "0", "--baseline-envs", "8"])
     assert result["prefetch_batches"] == 2 and result["frames_per_update"] == 256
+    assert (result["envs_per_worker"], result["baseline_envs_per_worker"]) == (4, 8)
     assert result["baseline_fps"] > 0 and result["ratio"] == pytest.approx(result["fps"] / result["baseline_fps"],
                                                                           rel=0.01)
     assert len(result["rounds_fps"]) == len(result["rounds_baseline_fps"]) == 1
@@ -74,7 +76,8 @@ def test_train_throughput_prices_a_reward_type_on_a_task_smoke():
 
 
 @pytest.mark.parametrize("flags", [["--baseline-intrinsic-reward", "none"], ["--rounds", "3"],
-                                   ["--baseline-prefetch-batches", "0"], ["--baseline-acting-splits", "1"]])
+                                   ["--baseline-prefetch-batches", "0"], ["--baseline-acting-splits", "1"],
+                                   ["--baseline-envs", "32"]])
 def test_train_throughput_refuses_baseline_settings_without_a_baseline(flags, capfd):
     code, err = script_exit(BENCH / "train_throughput.py", ["--seconds", "1", *flags], capfd)
     assert code == 2 and "give --baseline-code" in err and flags[0] in err

@@ -103,8 +103,8 @@ from .death_causes import (CAPTIONS_PER_CAUSE, CAUSE_HINTS, DOMINANT_SHARE, MIN_
                            MIN_CAUSE_SHARE, MIN_ENRICHMENT, SELF_INFLICTED, death_causes_check, format_death_causes,
                            read_baseline)
 from .flagged import read_flagged
-from .tally import (APPROVED_WINDOW, DEATH_WINDOW, EMPTY_HASH, LOOP_WARNING_SHARE, MIN_BASELINE, MIN_DEATH_SHARE,
-                    MIN_DEATHS, MIN_RATIO, REPEAT_PAYMENTS, REPEAT_SHARE, REPORT_NAME, RESET_EARLY,
+from .tally import (APPROVED_WINDOW, DEATH_WINDOW, EMPTY_HASH, LOOP_WARNING_SHARE, MIN_APPROVED_WINDOW, MIN_BASELINE,
+                    MIN_DEATH_SHARE, MIN_DEATHS, MIN_RATIO, REPEAT_PAYMENTS, REPEAT_SHARE, REPORT_NAME, RESET_EARLY,
                     RESET_EPISODE_SHARE, TOP, EpisodeAssembler, HackingTally, format_report)
 
 __all__ = ["HackingTally", "EpisodeAssembler", "format_report", "read_flagged", "DEATH_WINDOW", "MIN_RATIO",

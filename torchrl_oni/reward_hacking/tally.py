@@ -39,8 +39,11 @@ REPEAT_PAYMENTS = 3.0
 LOOP_WARNING_SHARE = 0.25
 """Episode loops that together earn at least this share of the intrinsic return get a ``!!`` line."""
 TOP = 10
-# episodes at the start and at the end of a run whose approved captions the summary compares
+# episodes at the start and at the end of a run whose approved captions the summary compares; a
+# run that ends fewer than twice as many (many games, long episodes) compares its two halves,
+# each of at least MIN_APPROVED_WINDOW episodes
 APPROVED_WINDOW = 100
+MIN_APPROVED_WINDOW = 50
 EMPTY_HASH = hash_bytes(b"")
 
 # per caption, one row of HackingTally._data
@@ -263,21 +266,29 @@ class HackingTally:
         self.approved_last = collections.deque((int(n) for n in state.get("approved_last", [])),
                                                maxlen=APPROVED_WINDOW)
 
-    def approved_per_episode(self) -> Optional[Tuple[float, float]]:
-        """``(first, latest)``: distinct paid captions per episode over the run's first and its
-        latest :data:`APPROVED_WINDOW` episodes; None until there are twice that many episodes
-        (before, the two windows overlap).
+    def approved_per_episode(self) -> Optional[Tuple[float, float, int]]:
+        """``(first, latest, window)``: distinct paid captions per episode over the run's first and
+        its latest ``window`` episodes, ``window`` being :data:`APPROVED_WINDOW`, or half the
+        episodes of a run that has ended fewer than twice that many (the two never overlap); None
+        while that half is under :data:`MIN_APPROVED_WINDOW`.
 
         Example:
             >>> tally = HackingTally()
             >>> for k in range(2 * APPROVED_WINDOW):
             ...     tally.add_episode([1, 2, 3], [0.0, 1.0 if k >= APPROVED_WINDOW else 0.0, 0.5], [1, 2, 3], 3, False)
             >>> tally.approved_per_episode()
-            (1.0, 2.0)
+            (1.0, 2.0, 100)
+            >>> short = HackingTally()
+            >>> for k in range(130):  # a short run: its first 65 episodes against its last 65
+            ...     short.add_episode([1, 2, 3], [0.0, 1.0 if k >= 65 else 0.0, 0.5], [1, 2, 3], 3, False)
+            >>> short.approved_per_episode()
+            (1.0, 2.0, 65)
         """
-        if self.episodes < 2 * APPROVED_WINDOW or not self.approved_first:
+        window = min(APPROVED_WINDOW, self.episodes // 2, len(self.approved_first), len(self.approved_last))
+        if window < MIN_APPROVED_WINDOW:
             return None
-        return float(np.mean(self.approved_first)), float(np.mean(self.approved_last))
+        latest = list(self.approved_last)[-window:]
+        return float(np.mean(self.approved_first[:window])), float(np.mean(latest)), window
 
 
 def _num(x) -> Optional[float]:

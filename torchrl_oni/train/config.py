@@ -137,7 +137,10 @@ class EnvConfig:
     task: str = setting("score", "score, oracle, oracle-sober, staircase, staircase-lvl3, staircase-lvl4, "
                         "or a full task id such as NetHackScore-v1")
     workers: int = setting(2, "env worker processes (one core each)", at_least=1, at_most=MAX_GAMES)
-    envs_per_worker: int = setting(32, "NetHack games stepped by each worker process", at_least=1, at_most=MAX_GAMES)
+    # a step's fixed costs (the policy's call, the batch's bookkeeping) spread over more games gain
+    # more than the games' NetHack state loses to the cache (docs/design.md)
+    envs_per_worker: int = setting(64, "NetHack games stepped by each worker process", at_least=1,
+                                   at_most=MAX_GAMES)
     rollout: int = setting(32, "steps per game in one collected batch (ONI: 32)", at_least=2,
                            at_most=MAX_FRAMES_PER_UPDATE)
     max_episode_steps: int = setting(5000, "step limit of an episode", at_least=1)

@@ -60,7 +60,7 @@ from ..atomic import atomic_write
 from ..captions import (CAPTION_HASH_KEY, INTRINSIC_REWARD_KEY, MESSAGE_KEY, MESSAGE_LEN, RUN_COUNT_KEY,
                         decode_message)
 from ..rewards.scaling import RunMessageCounts
-from ..reward_hacking.tally import APPROVED_WINDOW, REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
+from ..reward_hacking.tally import REPORT_NAME as REWARD_HACKING_NAME, EpisodeAssembler, HackingTally
 from ..run_folder import TOP_MESSAGES_NAME
 from .background_rounds import BackgroundRounds
 from .hooks import TrainHook
@@ -258,8 +258,8 @@ class IntrinsicRewardHook(TrainHook):
         lines = []
         trend = self.hacking.tally.approved_per_episode()
         if trend is not None:
-            lines.append(f"approved captions per episode: {trend[0]:.2f} in the first {APPROVED_WINDOW} episodes, "
-                         f"{trend[1]:.2f} in the last {APPROVED_WINDOW}")
+            lines.append(f"approved captions per episode: {trend[0]:.2f} in the first {trend[2]} episodes, "
+                         f"{trend[1]:.2f} in the last {trend[2]}")
         return lines + self.labelling.summary_lines(metrics)
 
     def final_warnings(self, metrics: Dict[str, float]) -> List[str]:
