@@ -557,3 +557,26 @@ def test_slow_request_heads_and_bodies_time_out():
         body.close()
     finally:
         server.stop()
+
+
+def test_a_server_is_running_only_once_its_port_is_known(monkeypatch):
+    """Another thread that sees the page running may call it: ``running`` waits for the port
+    (the app thread serves a moment before ``start`` has copied its port)."""
+    from torchrl_oni.feedback import server as server_module
+
+    seen = []
+
+    class Watched(server_module.AppThread):
+        def start(self, *args, **kwargs):
+            super().start(*args, **kwargs)
+            seen.append(page.running)  # serving, but start() has not copied the port yet
+
+    monkeypatch.setattr(server_module, "AppThread", Watched)
+    page = FeedbackServer(_store({"You kill the newt!": 3}), port=0, announce=False)
+    page.start()
+    try:
+        assert seen == [False] and page.running and page.port
+        assert _call(page, "/api/state")[0] == 200
+    finally:
+        page.stop()
+    assert not page.running

@@ -236,7 +236,8 @@ class FeedbackServer(_QueueMethods):
     # ------------------------------------------------------------------ lifecycle
     @property
     def running(self) -> bool:
-        return self._app is not None and self._app.running
+        """Serving, with its port known (another thread that sees it running can call it)."""
+        return self._app is not None and self._app.running and self.port is not None
 
     @property
     def url(self) -> str:
