@@ -173,7 +173,8 @@ def run(seconds: float, workers: int, envs: int, rollout: int, arch: str = "ligh
 def _run_elsewhere(code_dir: str, args, seconds: float) -> dict:
     """The same measurement by the package in ``code_dir`` (a subprocess with it first on the path)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one-run", "--seconds", str(seconds), "--workers",
-           str(args.workers), "--envs", str(args.baseline_envs or args.envs), "--rollout", str(args.rollout), "--arch", args.arch,
+           str(args.workers), "--envs", str(args.baseline_envs or args.envs), "--rollout", str(args.rollout),
+           "--arch", args.arch,
            "--device", args.device, "--intrinsic-reward", args.baseline_intrinsic_reward or args.intrinsic_reward,
            "--acting", args.acting]
     for flag, value in (("--frames-per-update", args.frames_per_update), ("--minibatch-size", args.minibatch_size),
@@ -254,6 +255,8 @@ def main(argv=None):
     if args.baseline_code:
         if not os.path.isdir(os.path.join(args.baseline_code, "torchrl_oni")):
             p.error(f"--baseline-code {args.baseline_code}: no torchrl_oni package there")
+        if args.baseline_envs is not None and args.baseline_envs < 1:
+            p.error(f"--baseline-envs must be >= 1, got {args.baseline_envs}")
         share = args.seconds / (2 * args.rounds)
         mine, theirs = [], []
         for _ in range(args.rounds):

@@ -84,6 +84,13 @@ def test_train_throughput_refuses_baseline_settings_without_a_baseline(flags, ca
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_train_throughput_refuses_a_baseline_without_games(capfd):
+    code, err = script_exit(BENCH / "train_throughput.py", ["--baseline-code", str(BENCH.parent), "--baseline-envs", "0"],
+                            capfd)
+    assert code == 2 and "--baseline-envs must be >= 1, got 0" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 def test_drop_in_overhead_smoke():
     result, table = bench_json([BENCH / "drop_in_overhead.py", "--seconds", "1.5", "--rounds", "1"])
     assert "+ oni_transforms" in table
