@@ -1,6 +1,6 @@
 """The embedded judge's benchmarks run and say what BENCHMARKS.md quotes: the int8 and layout
-comparisons (`annotation_throughput.py --compare-dtype / --compare-layout`) and the judge-share
-runs (`judge_share.py`)."""
+comparisons (`annotation_throughput.py --compare-dtype / --compare-layout`), the judge-share
+runs (`judge_share.py`) and where the judge's time goes (`judge_ceiling.py`)."""
 import pytest
 from helpers import BENCH, bench_json, script_exit
 
@@ -70,3 +70,39 @@ def test_judge_share_refuses_bad_configurations(capfd):
     assert code == 2 and "NAME=FLAGS" in err and len(err.strip().splitlines()) == 1
     code, err = script_exit(BENCH / "judge_share.py", ["--baseline-code", "/nonexistent"], capfd)
     assert code == 2 and "no torchrl_oni package" in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not is_installed(TEST_MODEL), reason="the SmolLM2 weights are not installed")
+def test_judge_ceiling_times_the_judges_linear_layers_against_them_alone():
+    result, table = bench_json([BENCH / "judge_ceiling.py", "--model", TEST_MODEL, "--dtype", "float32",
+                                "--seconds", "2", "--rounds", "2", "--alone-seconds", "0.2",
+                                "--int8-agreement", "10"], timeout=600)
+    assert "ceiling same dtype" in table and "int8 MLP layers" in table
+    assert result["model"] == TEST_MODEL and result["dtype"] == "float32" and result["threads"] == 1
+    assert len(result["captions_per_s"]) == 2 and min(result["captions_per_s"]) > 0
+    # a small model spends most of a request in its linear layers, but not all of it (the
+    # attention, the tree's bookkeeping); the vocabulary projection is one of them
+    assert 0.3 < result["linear_share"] < 1 and 0 < result["vocab_share"] < result["linear_share"]
+    assert result["linear_gflops_in_judge"] > 0 and result["linear_gflops_alone"] > 0
+    assert result["linear_efficiency"] > 0 and result["ceiling_same_dtype"] > 0
+    assert result["tokens_per_caption"] > 1
+    if result["int8_unavailable"] is None:
+        assert result["ceiling_int8"] > 0 and result["int8_rate_vs_same_dtype"] > 0
+        agreement = result["int8_mlp_agreement"]
+        assert agreement["layers_in_int8"] == 3 * 30  # gate, up and down of SmolLM2-135M's 30 layers
+        assert (agreement["n_hand_labelled"], agreement["n_judge_probe"], agreement["n_real_captions"]) == (40, 13, 10)
+        assert 0 <= agreement["agreement"] <= 1
+
+
+@pytest.mark.parametrize("args, names", [(["--seconds", "0"], "--seconds"), (["--rounds", "0"], "--rounds"),
+                                         (["--batch", "0"], "--batch"), (["--int8-agreement", "-1"], "--int8-agreement"),
+                                         (["--alone-seconds", "-1"], "--alone-seconds")])
+def test_judge_ceiling_refuses_bad_input_in_one_line(capfd, args, names):
+    code, err = script_exit(BENCH / "judge_ceiling.py", args, capfd)
+    assert code == 2 and err.strip().count("\n") == 0 and names in err
+
+
+def test_judge_ceiling_names_a_model_it_cannot_load(capfd):
+    code, err = script_exit(BENCH / "judge_ceiling.py", ["--model", "/nonexistent/judge"], capfd)
+    assert code == 2 and err.strip().count("\n") == 0 and "/nonexistent/judge" in err
