@@ -191,9 +191,10 @@ def ceilings(judged: dict, alone: Dict[Shape, dict], vocab: Shape) -> dict:
     return row
 
 
-def int8_agreement(model_name: str, dtype: str, threads: int, real: int, batch: int) -> dict:
-    """The float judge against the same judge with its MLP layers in int8 (:func:`int8_linear`):
-    the share of captions given the same label (P(yes) >= 0.5), by set, and the largest score change."""
+def int8_agreement(engine, model_name: str, dtype: str, threads: int, real: int, batch: int) -> dict:
+    """The float judge ``engine`` against the same judge with its MLP layers in int8
+    (:func:`int8_linear`): the share of captions given the same label (P(yes) >= 0.5), by set,
+    and the largest score change."""
     from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS
     from torchrl_oni.serve.engines import make_engine
 
@@ -203,8 +204,8 @@ def int8_agreement(model_name: str, dtype: str, threads: int, real: int, batch: 
             "judge_probe": list(dict.fromkeys([*NOT_PROGRESS, *PROGRESS["default"]])),
             "real_captions": real_captions(real)}
     sets = {k: v for k, v in sets.items() if v}
-    engines = {"float": make_engine("embedded", model_name, dtype=dtype, threads=threads, node_cache_mb=0),
-               "int8_mlp": make_engine("embedded", model_name, dtype=dtype, threads=threads, node_cache_mb=0)}
+    engines = {"float": engine,
+               "int8_mlp": make_engine("embedded", model_name, dtype=dtype, threads=threads)}
     quantized = 0
     for module in list(engines["int8_mlp"].model.modules()):
         for name in ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "c_fc"):
@@ -314,8 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                      "int8_rate_vs_same_dtype")},
               "int8_unavailable": no_int8}
     if args.int8_agreement and no_int8 is None:
-        del engine
-        agreement = int8_agreement(args.model, args.dtype, args.threads, args.int8_agreement, args.batch)
+        agreement = int8_agreement(engine, args.model, args.dtype, args.threads, args.int8_agreement, args.batch)
         result["int8_mlp_agreement"] = agreement
         print(f"\nint8 MLP layers ({agreement['layers_in_int8']}) against the float judge: the same label on "
               + ", ".join(f"{100 * agreement['agreement_' + k]:.1f} % of {agreement['n_' + k]} {k.replace('_', ' ')}"
