@@ -292,6 +292,25 @@ async def _alternating_stream(servers: dict, batch: int, seconds: float, rounds:
     return rates, at, total
 
 
+def agreement_sets(real: int) -> Dict[str, List[str]]:
+    """The captions two judges are compared on: the 40 hand-labelled messages, the 13 of the judge
+    probe and ``real`` drawn from the shipped labels file (a set left empty is left out)."""
+    from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS
+
+    sets = {"hand_labelled": [m for m, _ in LABELLED],
+            "judge_probe": list(dict.fromkeys([*NOT_PROGRESS, *PROGRESS["default"]])),
+            "real_captions": real_captions(real)}
+    return {name: msgs for name, msgs in sets.items() if msgs}
+
+
+def same_labels(first: Sequence[Optional[float]], second: Sequence[Optional[float]]) -> Tuple[int, float]:
+    """How many captions two lists of P(yes) give the same label (threshold 0.5; a missing score
+    agrees with nothing), and the largest score change between them."""
+    pairs = [(a, b) for a, b in zip(first, second) if a is not None and b is not None]
+    same = sum((a >= 0.5) == (b >= 0.5) for a, b in pairs)
+    return same, max((abs(a - b) for a, b in pairs), default=0)
+
+
 def stream_captions(exclude: Sequence[str], seed: int = 2) -> List[str]:
     """The shipped labels file's captions less ``exclude``, shuffled: a stream of captions a judge
     has not seen (each is scored once, as in training, where the store asks about a caption once)."""
@@ -306,16 +325,12 @@ def compare_paths(args) -> int:
     (``--compare-dtype``, ``--compare-layout``, ``--compare-node-cache-mb``) in one run: speed,
     agreement, AUC, and the agreement of the reference with itself when only the batches' make-up
     changes (its rounding floor)."""
-    from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS
     from torchrl_oni.serve.embedded import start_embedded_server
 
-    sets = {"hand_labelled": [m for m, _ in LABELLED],
-            "judge_probe": list(dict.fromkeys([*NOT_PROGRESS, *PROGRESS["default"]])),
-            "real_captions": real_captions(args.real_captions)}
+    sets = agreement_sets(args.real_captions)  # --real-captions 0: two sets
     compare_mb = args.node_cache_mb if args.compare_node_cache_mb is None else args.compare_node_cache_mb
     paths = {"reference": (args.dtype, args.layout, args.node_cache_mb),
              "candidate": (args.compare_dtype or args.dtype, args.compare_layout or args.layout, compare_mb)}
-    sets = {name: msgs for name, msgs in sets.items() if msgs}  # --real-captions 0: two sets
     stream = args.throughput_captions == "stream"
     if stream:
         if not SHIPPED_LABELS.is_file():
@@ -364,17 +379,15 @@ def compare_paths(args) -> int:
             result[f"{role}_auc"] = round(accuracy_of(scores[role]["hand_labelled"])["auc"], 4)
         agree_all, total, floor_all = 0, 0, 0
         for name in sets:
-            pairs = [(a, b) for a, b in zip(scores["reference"][name], scores["candidate"][name])]
-            same = sum((a is not None and b is not None and (a >= 0.5) == (b >= 0.5)) for a, b in pairs)
-            itself = sum((a is not None and b is not None and (a >= 0.5) == (b >= 0.5))
-                         for a, b in zip(scores["reference"][name], reshuffled[name]))
-            result[f"agreement_{name}"] = round(same / max(len(pairs), 1), 4)
-            result[f"reference_self_agreement_{name}"] = round(itself / max(len(pairs), 1), 4)
-            result[f"n_{name}"] = len(pairs)
-            result[f"max_score_change_{name}"] = round(max((abs(a - b) for a, b in pairs
-                                                            if a is not None and b is not None), default=0), 4)
+            n = len(sets[name])
+            same, change = same_labels(scores["reference"][name], scores["candidate"][name])
+            itself, _ = same_labels(scores["reference"][name], reshuffled[name])
+            result[f"agreement_{name}"] = round(same / max(n, 1), 4)
+            result[f"reference_self_agreement_{name}"] = round(itself / max(n, 1), 4)
+            result[f"n_{name}"] = n
+            result[f"max_score_change_{name}"] = round(change, 4)
             if name != "real_captions":
-                agree_all, total, floor_all = agree_all + same, total + len(pairs), floor_all + itself
+                agree_all, total, floor_all = agree_all + same, total + n, floor_all + itself
         result["agreement_vs_reference"] = round(agree_all / max(total, 1), 4)
         result["reference_self_agreement"] = round(floor_all / max(total, 1), 4)
         tokens_before = {role: getattr(srv.server.engine, "tokens_run", None) for role, srv in servers.items()}

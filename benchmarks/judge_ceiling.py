@@ -191,26 +191,21 @@ def ceilings(judged: dict, alone: Dict[Shape, dict], vocab: Shape) -> dict:
     return row
 
 
-def int8_agreement(engine, model_name: str, dtype: str, threads: int, real: int, batch: int) -> dict:
+def int8_agreement(bench, engine, model_name: str, dtype: str, threads: int, real: int, batch: int) -> dict:
     """The float judge ``engine`` against the same judge with its MLP layers in int8
-    (:func:`int8_linear`): the share of captions given the same label (P(yes) >= 0.5), by set,
-    and the largest score change."""
-    from torchrl_oni.annotators.probe import NOT_PROGRESS, PROGRESS
+    (:func:`int8_linear`): the share of captions given the same label (P(yes) >= 0.5), by set of
+    ``bench.agreement_sets``, and the largest score change."""
+    import torch
     from torchrl_oni.serve.engines import make_engine
 
-    bench = judge_benchmark()
-    short_prompt, p_yes, real_captions = bench.short_prompt, bench.p_yes, bench.real_captions
-    sets = {"hand_labelled": [m for m, _ in bench.LABELLED],
-            "judge_probe": list(dict.fromkeys([*NOT_PROGRESS, *PROGRESS["default"]])),
-            "real_captions": real_captions(real)}
-    sets = {k: v for k, v in sets.items() if v}
+    sets = bench.agreement_sets(real)
     engines = {"float": engine,
                "int8_mlp": make_engine("embedded", model_name, dtype=dtype, threads=threads)}
     quantized = 0
     for module in list(engines["int8_mlp"].model.modules()):
         for name in ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "c_fc"):
             child = getattr(module, name, None)
-            if child is not None and type(child).__name__ == "Linear":
+            if isinstance(child, torch.nn.Linear):
                 setattr(module, name, int8_linear(child))
                 quantized += 1
     if not quantized:
@@ -219,18 +214,17 @@ def int8_agreement(engine, model_name: str, dtype: str, threads: int, real: int,
     def scores(engine, captions):
         out = []
         for i in range(0, len(captions), batch):
-            done = engine.complete([short_prompt(c) for c in captions[i:i + batch]], max_tokens=1, top_logprobs=5)
-            out.extend(p_yes(dict(c.top_logprobs[0]) if c.top_logprobs else {}) for c in done)
+            done = engine.complete([bench.short_prompt(c) for c in captions[i:i + batch]], max_tokens=1,
+                                   top_logprobs=5)
+            out.extend(bench.p_yes(dict(c.top_logprobs[0]) if c.top_logprobs else {}) for c in done)
         return out
 
     result, same, total = {"layers_in_int8": quantized}, 0, 0
     for name, captions in sets.items():
-        a, b = scores(engines["float"], captions), scores(engines["int8_mlp"], captions)
-        agree = sum((x is not None and y is not None and (x >= 0.5) == (y >= 0.5)) for x, y in zip(a, b))
+        agree, change = bench.same_labels(scores(engines["float"], captions), scores(engines["int8_mlp"], captions))
         result[f"agreement_{name}"] = round(agree / len(captions), 4)
         result[f"n_{name}"] = len(captions)
-        result[f"max_score_change_{name}"] = round(max(abs(x - y) for x, y in zip(a, b)
-                                                       if x is not None and y is not None), 4)
+        result[f"max_score_change_{name}"] = round(change, 4)
         same, total = same + agree, total + len(captions)
     result["agreement"] = round(same / total, 4)
     return result
@@ -315,7 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                      "int8_rate_vs_same_dtype")},
               "int8_unavailable": no_int8}
     if args.int8_agreement and no_int8 is None:
-        agreement = int8_agreement(engine, args.model, args.dtype, args.threads, args.int8_agreement, args.batch)
+        agreement = int8_agreement(bench, engine, args.model, args.dtype, args.threads, args.int8_agreement, args.batch)
         result["int8_mlp_agreement"] = agreement
         print(f"\nint8 MLP layers ({agreement['layers_in_int8']}) against the float judge: the same label on "
               + ", ".join(f"{100 * agreement['agreement_' + k]:.1f} % of {agreement['n_' + k]} {k.replace('_', ' ')}"
